@@ -1,0 +1,289 @@
+//! SHA-256 integrity values: row identity, row digest, streaming scope
+//! digest, and the checksum object (INTEGRITY.md "Row identity, row digest,
+//! scope digest").
+
+use std::fmt;
+
+use sha2::{Digest as _, Sha256};
+
+use crate::ids::ServerVersion;
+use crate::json::{Object, Value};
+use crate::manifest::TableManifest;
+use crate::value::{TypedValue, blob, encode_field};
+
+/// A 32-byte SHA-256 value (row digest, scope digest, schema hash, fingerprint).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    /// SHA-256 of `D(domain) || bytes`.
+    pub fn of(domain: &str, bytes: &[u8]) -> Digest {
+        let mut h = domain_hasher(domain);
+        h.update(bytes);
+        Digest(h.finalize().into())
+    }
+
+    /// 64 lowercase hexadecimal characters.
+    pub fn to_hex(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push(HEX[(b >> 4) as usize] as char);
+            s.push(HEX[(b & 0x0f) as usize] as char);
+        }
+        s
+    }
+
+    /// Parses exactly 64 lowercase hexadecimal characters.
+    pub fn from_hex(s: &str) -> Option<Digest> {
+        let b = s.as_bytes();
+        if b.len() != 64 {
+            return None;
+        }
+        let nibble = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        let mut out = [0u8; 32];
+        for (i, pair) in b.chunks_exact(2).enumerate() {
+            out[i] = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+        }
+        Some(Digest(out))
+    }
+
+    /// The checksum object `{"algorithm":"sha256","version":1,"encoding":"hex","digest":…}`.
+    pub fn checksum_json(&self) -> Value {
+        crate::json::object([
+            ("algorithm", Value::string("sha256")),
+            ("version", Value::int(1)),
+            ("encoding", Value::string("hex")),
+            ("digest", Value::string(self.to_hex())),
+        ])
+    }
+
+    /// Reads a checksum object; `None` for any other shape, member set or alphabet.
+    pub fn from_checksum_json(v: &Value) -> Option<Digest> {
+        let o: &Object = v.as_object()?;
+        let exact = o.len() == 4
+            && o.get("algorithm")?.as_str()? == "sha256"
+            && o.get("encoding")?.as_str()? == "hex"
+            && matches!(o.get("version")?, Value::Number(n) if n.as_exact_i64() == Some(1));
+        if !exact {
+            return None;
+        }
+        Digest::from_hex(o.get("digest")?.as_str()?)
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// A hasher that has absorbed `D(domain) = ASCII(domain) || 0x00`.
+pub(crate) fn domain_hasher(domain: &str) -> Sha256 {
+    let mut h = Sha256::new();
+    h.update(domain.as_bytes());
+    h.update([0u8]);
+    h
+}
+
+fn text(s: &str, out: &mut Vec<u8>) {
+    blob(s.as_bytes(), out);
+}
+
+/// The typed, length-prefixed identity of one row; ordered by its bytes.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RowIdentity(Vec<u8>);
+
+impl RowIdentity {
+    /// `D("synchro:v3:row-identity:v1") || text(table_id) || text(pk_field_id) || typed(pk)`.
+    pub fn new(table_id: &str, pk_field_id: &str, pk: &TypedValue) -> RowIdentity {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(b"synchro:v3:row-identity:v1\0");
+        text(table_id, &mut out);
+        text(pk_field_id, &mut out);
+        pk.encode(&mut out);
+        RowIdentity(out)
+    }
+
+    /// The identity of `pk` in `table`.
+    pub fn of(table: &TableManifest, pk: &TypedValue) -> RowIdentity {
+        RowIdentity::new(table.table_id(), table.primary_key_field_id(), pk)
+    }
+
+    /// The encoded bytes (the unit of ordering for scope digests and rebuild stages).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Wraps bytes previously taken from [`RowIdentity::as_bytes`].
+    pub fn from_bytes(bytes: Vec<u8>) -> RowIdentity {
+        RowIdentity(bytes)
+    }
+}
+
+impl fmt::Debug for RowIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RowIdentity({} bytes)", self.0.len())
+    }
+}
+
+/// A complete authoritative row: one value per synced field, in the table's
+/// field order (sorted by field-ID bytes). Built by [`TableManifest::decode_row`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub(crate) values: Vec<Option<TypedValue>>,
+}
+
+impl Row {
+    /// The values in field-ID order; `None` is SQL NULL.
+    pub fn values(&self) -> &[Option<TypedValue>] {
+        &self.values
+    }
+}
+
+/// Reusable buffers for computing many row digests without allocating.
+#[derive(Default)]
+pub struct RowDigester {
+    body: Vec<u8>,
+}
+
+impl RowDigester {
+    /// The row digest of `row` of `table` at `server_version` under schema `schema_hash`.
+    ///
+    /// The row must come from [`TableManifest::decode_row`] for the same table,
+    /// and its primary-key value must equal the one inside `identity`.
+    pub fn digest(
+        &mut self,
+        schema_hash: &Digest,
+        table: &TableManifest,
+        identity: &RowIdentity,
+        row: &Row,
+        server_version: &ServerVersion,
+    ) -> Digest {
+        assert_eq!(
+            row.values.len(),
+            table.fields().len(),
+            "row must come from this table"
+        );
+        self.body.clear();
+        self.body
+            .extend_from_slice(&(table.fields().len() as u32).to_be_bytes());
+        for (field, value) in table.fields().iter().zip(&row.values) {
+            text(field.field_id(), &mut self.body);
+            encode_field(field.field_type().ty, value.as_ref(), &mut self.body);
+        }
+        let mut h = domain_hasher("synchro:v3:row-digest:v1");
+        h.update(schema_hash.0);
+        h.update((identity.0.len() as u64).to_be_bytes());
+        h.update(&identity.0);
+        h.update((self.body.len() as u64).to_be_bytes());
+        h.update(&self.body);
+        h.update((server_version.as_str().len() as u64).to_be_bytes());
+        h.update(server_version.as_str().as_bytes());
+        Digest(h.finalize().into())
+    }
+}
+
+/// The row digest with a fresh buffer; see [`RowDigester::digest`].
+pub fn row_digest(
+    schema_hash: &Digest,
+    table: &TableManifest,
+    identity: &RowIdentity,
+    row: &Row,
+    server_version: &ServerVersion,
+) -> Digest {
+    RowDigester::default().digest(schema_hash, table, identity, row, server_version)
+}
+
+/// Why a scope digest could not be finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeDigestError {
+    /// Rows were not given in strictly increasing row-identity order.
+    OutOfOrder,
+    /// The number of rows differs from the declared cardinality.
+    CardinalityMismatch { declared: u64, seen: u64 },
+}
+
+/// A streaming scope digest: rows must arrive in strictly increasing identity order.
+pub struct ScopeDigest {
+    hasher: Sha256,
+    declared: u64,
+    seen: u64,
+    last: Option<RowIdentity>,
+    error: Option<ScopeDigestError>,
+}
+
+impl ScopeDigest {
+    /// Starts the digest of `scope_id` holding `cardinality` rows under `schema_hash`.
+    pub fn new(schema_hash: &Digest, scope_id: &str, cardinality: u64) -> ScopeDigest {
+        let mut hasher = domain_hasher("synchro:v3:scope-digest:v1");
+        hasher.update(schema_hash.0);
+        hasher.update((scope_id.len() as u64).to_be_bytes());
+        hasher.update(scope_id.as_bytes());
+        hasher.update(cardinality.to_be_bytes());
+        ScopeDigest {
+            hasher,
+            declared: cardinality,
+            seen: 0,
+            last: None,
+            error: None,
+        }
+    }
+
+    /// Absorbs the next row; an out-of-order row poisons the digest.
+    pub fn push(&mut self, identity: &RowIdentity, row_digest: &Digest) {
+        if self.last.as_ref().is_some_and(|last| last >= identity) {
+            self.error.get_or_insert(ScopeDigestError::OutOfOrder);
+        }
+        self.hasher.update((identity.0.len() as u64).to_be_bytes());
+        self.hasher.update(&identity.0);
+        self.hasher.update(row_digest.0);
+        self.seen += 1;
+        match &mut self.last {
+            Some(last) => {
+                last.0.clear();
+                last.0.extend_from_slice(&identity.0);
+            }
+            None => self.last = Some(identity.clone()),
+        }
+    }
+
+    /// The scope digest, if the rows were ordered and matched the cardinality.
+    pub fn finish(self) -> Result<Digest, ScopeDigestError> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        if self.seen != self.declared {
+            return Err(ScopeDigestError::CardinalityMismatch {
+                declared: self.declared,
+                seen: self.seen,
+            });
+        }
+        Ok(Digest(self.hasher.finalize().into()))
+    }
+}
+
+/// The scope digest of an unordered set of `(identity, row digest)` pairs;
+/// a repeated identity is [`ScopeDigestError::OutOfOrder`].
+pub fn scope_digest(
+    schema_hash: &Digest,
+    scope_id: &str,
+    rows: &mut [(RowIdentity, Digest)],
+) -> Result<Digest, ScopeDigestError> {
+    rows.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let mut d = ScopeDigest::new(schema_hash, scope_id, rows.len() as u64);
+    for (identity, digest) in rows.iter() {
+        d.push(identity, digest);
+    }
+    d.finish()
+}
