@@ -16,3 +16,7 @@ mod members;
 pub mod value;
 
 pub use members::ShapeError;
+pub mod fingerprint;
+pub mod position;
+pub mod token;
+pub mod wire;

@@ -1,0 +1,521 @@
+//! Opaque server tokens: incremental cursors and rebuild continuations
+//! (INTEGRITY.md "Opaque tokens", ADR 003 bindings).
+//!
+//! `token = PREFIX "." b64url(payload) "." b64url(HMAC-SHA-256(key, D(domain) || payload))`
+//! where `payload` is the RFC 8785 JSON object of the bindings.
+//!
+//! Verification answers only "authentic, here are the bindings" or "forged".
+//! Whether authentic bindings are still current (stale) needs server state,
+//! so that judgment belongs to the engine.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::digest::{Digest, domain_hasher};
+use crate::ids::CanonicalUuid;
+use crate::json::{self, Object, Value};
+use crate::limits::MAX_TOKEN_OCTETS;
+use crate::members::Members;
+use crate::position::{Boundary, StreamPosition};
+use crate::wire::PageLimit;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// The payload format version inside both token kinds.
+const TOKEN_VERSION: i64 = 1;
+
+/// The two token kinds; never interchangeable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TokenKind {
+    IncrementalCursor,
+    RebuildContinuation,
+}
+
+impl TokenKind {
+    fn prefix(self) -> &'static str {
+        match self {
+            TokenKind::IncrementalCursor => "ic1",
+            TokenKind::RebuildContinuation => "rc1",
+        }
+    }
+
+    fn domain(self) -> &'static str {
+        match self {
+            TokenKind::IncrementalCursor => "synchro:v3:incremental-cursor:v1",
+            TokenKind::RebuildContinuation => "synchro:v3:rebuild-continuation:v1",
+        }
+    }
+
+    fn payload_kind(self) -> &'static str {
+        match self {
+            TokenKind::IncrementalCursor => "incremental",
+            TokenKind::RebuildContinuation => "rebuild",
+        }
+    }
+}
+
+/// Whether a key issues new tokens or only verifies old ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyState {
+    Active,
+    VerifyOnly,
+}
+
+/// One MAC key.
+#[derive(Clone)]
+pub struct TokenKey {
+    pub key_id: String,
+    pub kind: TokenKind,
+    pub state: KeyState,
+    pub secret: [u8; 32],
+}
+
+impl std::fmt::Debug for TokenKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        write!(
+            f,
+            "TokenKey({:?}, {:?}, {:?})",
+            self.key_id, self.kind, self.state
+        )
+    }
+}
+
+/// A key ring that is not usable as given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRingError {
+    /// Each kind needs exactly one active key.
+    ActiveKeyCount(TokenKind),
+    /// Key IDs must be unique and 1..=64 octets.
+    BadKeyId,
+}
+
+/// The MAC keys of both token kinds.
+#[derive(Clone, Debug)]
+pub struct KeyRing {
+    keys: Vec<TokenKey>,
+}
+
+/// The token is malformed, of the wrong kind, under an unknown key, or its MAC fails.
+/// Deliberately carries no detail: the response must not say which check failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Forged;
+
+/// Bindings of an incremental cursor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CursorBindings {
+    pub stream_generation: u64,
+    pub position: StreamPosition,
+    pub user_binding: String,
+    pub client_binding: String,
+    pub client_generation: u64,
+    pub scope_id: String,
+    pub schema_hash: Digest,
+    pub membership_generation: u64,
+    pub retention_generation: u64,
+    /// Microseconds since the Unix epoch.
+    pub issued_at: i64,
+}
+
+/// Bindings of a rebuild continuation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContinuationBindings {
+    pub stream_generation: u64,
+    pub user_binding: String,
+    pub client_binding: String,
+    pub client_generation: u64,
+    pub scope_id: String,
+    pub schema_hash: Digest,
+    pub membership_generation: u64,
+    pub retention_generation: u64,
+    pub session_id: CanonicalUuid,
+    pub rebuild_id: CanonicalUuid,
+    pub snapshot_boundary: Boundary,
+    pub next_row_ordinal: u64,
+    pub page_limit: PageLimit,
+    pub accepted_write_epoch: u64,
+    /// Microseconds since the Unix epoch.
+    pub issued_at: i64,
+    /// Exactly 24 hours after session creation, in microseconds since the epoch.
+    pub expires_at: i64,
+}
+
+/// The binding that stands for a user inside tokens (no identity in clear).
+pub fn user_binding(user_id: &str) -> String {
+    binding("synchro:v3:user-binding:v1", &[user_id])
+}
+
+/// The binding that stands for a user's client inside tokens.
+pub fn client_binding(user_id: &str, client_id: &str) -> String {
+    binding("synchro:v3:client-binding:v1", &[user_id, client_id])
+}
+
+fn binding(domain: &str, parts: &[&str]) -> String {
+    use sha2::Digest as _;
+    let mut h = domain_hasher(domain);
+    for p in parts {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p.as_bytes());
+    }
+    Digest(h.finalize().into()).to_hex()[..32].to_owned()
+}
+
+impl KeyRing {
+    /// A ring with unique key IDs and exactly one active key per kind.
+    pub fn new(keys: Vec<TokenKey>) -> Result<KeyRing, KeyRingError> {
+        for (i, k) in keys.iter().enumerate() {
+            let id_ok = (1..=64).contains(&k.key_id.len())
+                && k.key_id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !id_ok || keys[..i].iter().any(|o| o.key_id == k.key_id) {
+                return Err(KeyRingError::BadKeyId);
+            }
+        }
+        for kind in [TokenKind::IncrementalCursor, TokenKind::RebuildContinuation] {
+            let active = keys
+                .iter()
+                .filter(|k| k.kind == kind && k.state == KeyState::Active)
+                .count();
+            if active != 1 {
+                return Err(KeyRingError::ActiveKeyCount(kind));
+            }
+        }
+        Ok(KeyRing { keys })
+    }
+
+    #[allow(clippy::expect_used)]
+    fn active(&self, kind: TokenKind) -> &TokenKey {
+        self.keys
+            .iter()
+            .find(|k| k.kind == kind && k.state == KeyState::Active)
+            .expect("KeyRing::new proved exactly one active key per kind")
+    }
+
+    /// Issues an incremental cursor under the active cursor key.
+    pub fn issue_cursor(&self, b: &CursorBindings) -> String {
+        let key = self.active(TokenKind::IncrementalCursor);
+        let mut o = common_payload(TokenKind::IncrementalCursor, key);
+        put_position(&mut o, &b.position);
+        put_common(
+            &mut o,
+            b.stream_generation,
+            &b.user_binding,
+            &b.client_binding,
+            b.client_generation,
+            &b.scope_id,
+            &b.schema_hash,
+            b.membership_generation,
+            b.retention_generation,
+            b.issued_at,
+        );
+        seal(TokenKind::IncrementalCursor, key, &Value::Object(o))
+    }
+
+    /// Issues a rebuild continuation under the active continuation key.
+    pub fn issue_continuation(&self, b: &ContinuationBindings) -> String {
+        let key = self.active(TokenKind::RebuildContinuation);
+        let mut o = common_payload(TokenKind::RebuildContinuation, key);
+        put_common(
+            &mut o,
+            b.stream_generation,
+            &b.user_binding,
+            &b.client_binding,
+            b.client_generation,
+            &b.scope_id,
+            &b.schema_hash,
+            b.membership_generation,
+            b.retention_generation,
+            b.issued_at,
+        );
+        o.insert("session_id".into(), Value::string(b.session_id.to_string()));
+        o.insert("rebuild_id".into(), Value::string(b.rebuild_id.to_string()));
+        let (kind, lsn) = match b.snapshot_boundary {
+            Boundary::GenerationStart => ("generation_start", None),
+            Boundary::TransactionEnd { commit_lsn } => ("transaction_end", Some(commit_lsn)),
+        };
+        o.insert("snapshot_boundary_kind".into(), Value::string(kind));
+        if let Some(lsn) = lsn {
+            o.insert("snapshot_commit_lsn".into(), counter(lsn));
+        }
+        o.insert("next_row_ordinal".into(), counter(b.next_row_ordinal));
+        o.insert("page_limit".into(), Value::int(b.page_limit.get() as i64));
+        o.insert(
+            "accepted_write_epoch".into(),
+            counter(b.accepted_write_epoch),
+        );
+        o.insert("expires_at".into(), Value::string(b.expires_at.to_string()));
+        seal(TokenKind::RebuildContinuation, key, &Value::Object(o))
+    }
+
+    /// Authenticates an incremental cursor and returns its bindings.
+    pub fn verify_cursor(&self, token: &str) -> Result<CursorBindings, Forged> {
+        let mut m = self.open(TokenKind::IncrementalCursor, token)?;
+        let position = take_position(&mut m)?;
+        let c = take_common(&mut m)?;
+        m.finish().map_err(|_| Forged)?;
+        Ok(CursorBindings {
+            stream_generation: c.stream_generation,
+            position,
+            user_binding: c.user_binding,
+            client_binding: c.client_binding,
+            client_generation: c.client_generation,
+            scope_id: c.scope_id,
+            schema_hash: c.schema_hash,
+            membership_generation: c.membership_generation,
+            retention_generation: c.retention_generation,
+            issued_at: c.issued_at,
+        })
+    }
+
+    /// Authenticates a rebuild continuation and returns its bindings.
+    pub fn verify_continuation(&self, token: &str) -> Result<ContinuationBindings, Forged> {
+        let mut m = self.open(TokenKind::RebuildContinuation, token)?;
+        let c = take_common(&mut m)?;
+        let uuid = |m: &mut Members, name| {
+            m.take(name)
+                .ok()
+                .as_ref()
+                .and_then(Value::as_str)
+                .and_then(CanonicalUuid::parse)
+                .ok_or(Forged)
+        };
+        let session_id = uuid(&mut m, "session_id")?;
+        let rebuild_id = uuid(&mut m, "rebuild_id")?;
+        let snapshot_boundary = match take_str(&mut m, "snapshot_boundary_kind")?.as_str() {
+            "generation_start" => Boundary::GenerationStart,
+            "transaction_end" => Boundary::TransactionEnd {
+                commit_lsn: take_counter(&mut m, "snapshot_commit_lsn")?,
+            },
+            _ => return Err(Forged),
+        };
+        let next_row_ordinal = take_counter(&mut m, "next_row_ordinal")?;
+        let page_limit = match m.take("page_limit").map_err(|_| Forged)? {
+            Value::Number(n) => n
+                .as_exact_i64()
+                .and_then(|n| u16::try_from(n).ok())
+                .and_then(PageLimit::new)
+                .ok_or(Forged)?,
+            _ => return Err(Forged),
+        };
+        let accepted_write_epoch = take_counter(&mut m, "accepted_write_epoch")?;
+        let expires_at = take_str(&mut m, "expires_at")?
+            .parse()
+            .map_err(|_| Forged)?;
+        m.finish().map_err(|_| Forged)?;
+        Ok(ContinuationBindings {
+            stream_generation: c.stream_generation,
+            user_binding: c.user_binding,
+            client_binding: c.client_binding,
+            client_generation: c.client_generation,
+            scope_id: c.scope_id,
+            schema_hash: c.schema_hash,
+            membership_generation: c.membership_generation,
+            retention_generation: c.retention_generation,
+            session_id,
+            rebuild_id,
+            snapshot_boundary,
+            next_row_ordinal,
+            page_limit,
+            accepted_write_epoch,
+            issued_at: c.issued_at,
+            expires_at,
+        })
+    }
+
+    /// Splits, decodes and authenticates; returns the payload members after `kind`,
+    /// `token_version` and `key_id` were checked and taken.
+    fn open(&self, kind: TokenKind, token: &str) -> Result<Members, Forged> {
+        if token.len() > MAX_TOKEN_OCTETS {
+            return Err(Forged);
+        }
+        let mut parts = token.split('.');
+        let (Some(prefix), Some(payload_b64), Some(mac_b64), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(Forged);
+        };
+        if prefix != kind.prefix() {
+            return Err(Forged);
+        }
+        let payload = decode_b64(payload_b64)?;
+        let mac = decode_b64(mac_b64)?;
+        // The payload is untrusted until the MAC verifies; it is parsed first
+        // only to find `key_id`, and the strict parser never panics.
+        let value = json::parse(&payload).map_err(|_| Forged)?;
+        let key_id = value
+            .as_object()
+            .and_then(|o| o.get("key_id"))
+            .and_then(Value::as_str)
+            .ok_or(Forged)?;
+        let key = self
+            .keys
+            .iter()
+            .find(|k| k.kind == kind && k.key_id == key_id)
+            .ok_or(Forged)?;
+        let mut h = HmacSha256::new_from_slice(&key.secret).map_err(|_| Forged)?;
+        h.update(kind.domain().as_bytes());
+        h.update(&[0]);
+        h.update(&payload);
+        h.verify_slice(&mac).map_err(|_| Forged)?; // constant time
+        // Authentic. Require the canonical payload bytes we would have issued.
+        if json::to_canonical(&value) != payload {
+            return Err(Forged);
+        }
+        let mut m = Members::new(value, "token").map_err(|_| Forged)?;
+        let kind_ok = take_str(&mut m, "kind")? == kind.payload_kind();
+        let version_ok = matches!(m.take("token_version"), Ok(Value::Number(n)) if n.as_exact_i64() == Some(TOKEN_VERSION));
+        m.take("key_id").map_err(|_| Forged)?;
+        if !(kind_ok && version_ok) {
+            return Err(Forged);
+        }
+        Ok(m)
+    }
+}
+
+fn decode_b64(s: &str) -> Result<Vec<u8>, Forged> {
+    let bytes = URL_SAFE_NO_PAD.decode(s).map_err(|_| Forged)?;
+    // Exactly one spelling per token: reject non-canonical trailing bits.
+    if URL_SAFE_NO_PAD.encode(&bytes) != s {
+        return Err(Forged);
+    }
+    Ok(bytes)
+}
+
+#[allow(clippy::expect_used)]
+fn seal(kind: TokenKind, key: &TokenKey, payload: &Value) -> String {
+    let payload = json::to_canonical(payload);
+    let mut h = HmacSha256::new_from_slice(&key.secret).expect("HMAC accepts keys of any length");
+    h.update(kind.domain().as_bytes());
+    h.update(&[0]);
+    h.update(&payload);
+    let mac = h.finalize().into_bytes();
+    format!(
+        "{}.{}.{}",
+        kind.prefix(),
+        URL_SAFE_NO_PAD.encode(&payload),
+        URL_SAFE_NO_PAD.encode(mac)
+    )
+}
+
+/// Counters that may exceed 2^53 travel as decimal strings.
+fn counter(v: u64) -> Value {
+    Value::string(v.to_string())
+}
+
+fn common_payload(kind: TokenKind, key: &TokenKey) -> Object {
+    let mut o = Object::new();
+    o.insert("kind".into(), Value::string(kind.payload_kind()));
+    o.insert("token_version".into(), Value::int(TOKEN_VERSION));
+    o.insert("key_id".into(), Value::string(&key.key_id));
+    o
+}
+
+#[allow(clippy::too_many_arguments)]
+fn put_common(
+    o: &mut Object,
+    stream_generation: u64,
+    user_binding: &str,
+    client_binding: &str,
+    client_generation: u64,
+    scope_id: &str,
+    schema_hash: &Digest,
+    membership_generation: u64,
+    retention_generation: u64,
+    issued_at: i64,
+) {
+    o.insert("stream_generation".into(), counter(stream_generation));
+    o.insert("user_binding".into(), Value::string(user_binding));
+    o.insert("client_binding".into(), Value::string(client_binding));
+    o.insert("client_generation".into(), counter(client_generation));
+    o.insert("scope_id".into(), Value::string(scope_id));
+    o.insert("schema_hash".into(), Value::string(schema_hash.to_hex()));
+    o.insert(
+        "membership_generation".into(),
+        counter(membership_generation),
+    );
+    o.insert("retention_generation".into(), counter(retention_generation));
+    o.insert("issued_at".into(), Value::string(issued_at.to_string()));
+}
+
+fn put_position(o: &mut Object, p: &StreamPosition) {
+    let kind = match *p {
+        StreamPosition::GenerationStart => "generation_start",
+        StreamPosition::Effect {
+            commit_lsn,
+            event_ordinal,
+            effect_ordinal,
+        } => {
+            o.insert("commit_lsn".into(), counter(commit_lsn));
+            o.insert("event_ordinal".into(), counter(event_ordinal));
+            o.insert("effect_ordinal".into(), counter(effect_ordinal));
+            "effect"
+        }
+        StreamPosition::TransactionEnd { commit_lsn } => {
+            o.insert("commit_lsn".into(), counter(commit_lsn));
+            "transaction_end"
+        }
+    };
+    o.insert("position_kind".into(), Value::string(kind));
+}
+
+fn take_str(m: &mut Members, name: &'static str) -> Result<String, Forged> {
+    match m.take(name) {
+        Ok(Value::String(s)) => Ok(s),
+        _ => Err(Forged),
+    }
+}
+
+/// A canonical unsigned decimal string.
+fn take_counter(m: &mut Members, name: &'static str) -> Result<u64, Forged> {
+    let s = take_str(m, name)?;
+    let canonical =
+        s == "0" || (!s.starts_with('0') && !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+    if !canonical {
+        return Err(Forged);
+    }
+    s.parse().map_err(|_| Forged)
+}
+
+fn take_position(m: &mut Members) -> Result<StreamPosition, Forged> {
+    Ok(match take_str(m, "position_kind")?.as_str() {
+        "generation_start" => StreamPosition::GenerationStart,
+        "effect" => StreamPosition::Effect {
+            commit_lsn: take_counter(m, "commit_lsn")?,
+            event_ordinal: take_counter(m, "event_ordinal")?,
+            effect_ordinal: take_counter(m, "effect_ordinal")?,
+        },
+        "transaction_end" => StreamPosition::TransactionEnd {
+            commit_lsn: take_counter(m, "commit_lsn")?,
+        },
+        _ => return Err(Forged),
+    })
+}
+
+struct Common {
+    stream_generation: u64,
+    user_binding: String,
+    client_binding: String,
+    client_generation: u64,
+    scope_id: String,
+    schema_hash: Digest,
+    membership_generation: u64,
+    retention_generation: u64,
+    issued_at: i64,
+}
+
+fn take_common(m: &mut Members) -> Result<Common, Forged> {
+    Ok(Common {
+        stream_generation: take_counter(m, "stream_generation")?,
+        user_binding: take_str(m, "user_binding")?,
+        client_binding: take_str(m, "client_binding")?,
+        client_generation: take_counter(m, "client_generation")?,
+        scope_id: take_str(m, "scope_id")?,
+        schema_hash: Digest::from_hex(&take_str(m, "schema_hash")?).ok_or(Forged)?,
+        membership_generation: take_counter(m, "membership_generation")?,
+        retention_generation: take_counter(m, "retention_generation")?,
+        issued_at: take_str(m, "issued_at")?.parse().map_err(|_| Forged)?,
+    })
+}
