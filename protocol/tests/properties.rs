@@ -1,6 +1,8 @@
 //! Property tests: RFC 8785 output is a fixed point, and number formatting
 //! matches ECMAScript for random binary64 values.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests and benches fail loudly
+
 use proptest::prelude::*;
 use protocol::json::{self, Number, Value, format_f64};
 

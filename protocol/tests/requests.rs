@@ -1,6 +1,8 @@
 //! Every structural case of the four request kinds: the spec's examples are
 //! accepted, and each defect gets its exact status and code.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests and benches fail loudly
+
 use protocol::error::{ErrorCode, ErrorKind, ProtocolError, UpgradeRequired};
 use protocol::json::{self, Value};
 use protocol::wire::connect::{ConnectRequest, ConnectSchema, semver_precedence};

@@ -1,5 +1,7 @@
 //! Cursor and continuation tokens: round trip, tampering, keys and kinds.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests and benches fail loudly
+
 use protocol::digest::Digest;
 use protocol::ids::CanonicalUuid;
 use protocol::position::{Boundary, StreamPosition};

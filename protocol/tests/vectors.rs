@@ -1,6 +1,8 @@
 //! The wire spec's own example digests and schema hash, recomputed
 //! (INTEGRITY.md "Vectors to test against").
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests and benches fail loudly
+
 use protocol::digest::{Digest, RowIdentity, ScopeDigest, row_digest};
 use protocol::ids::ServerVersion;
 use protocol::json;
