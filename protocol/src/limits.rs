@@ -19,7 +19,7 @@ pub const MAX_PAGE_LIMIT: u16 = 1000;
 pub const MAX_SERVER_VERSION_OCTETS: usize = 64;
 
 // The limits below are this project's (the spec names no bound); see
-// docs/adr/0002-protocol-crate.md. They keep every stored identifier small.
+// docs/adr/0001-protocol-crate.md. They keep every stored identifier small.
 
 /// Longest client_id, platform and app_version, in octets.
 pub const MAX_IDENTIFIER_OCTETS: usize = 256;
