@@ -103,11 +103,10 @@ pub struct KeyRing {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Forged;
 
-/// Bindings of an incremental cursor.
+/// The bindings both token kinds carry (ADR 003 "Incremental cursor bindings").
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CursorBindings {
+pub struct ScopeBindings {
     pub stream_generation: u64,
-    pub position: StreamPosition,
     pub user_binding: String,
     pub client_binding: String,
     pub client_generation: u64,
@@ -119,25 +118,23 @@ pub struct CursorBindings {
     pub issued_at: i64,
 }
 
+/// Bindings of an incremental cursor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CursorBindings {
+    pub scope: ScopeBindings,
+    pub position: StreamPosition,
+}
+
 /// Bindings of a rebuild continuation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ContinuationBindings {
-    pub stream_generation: u64,
-    pub user_binding: String,
-    pub client_binding: String,
-    pub client_generation: u64,
-    pub scope_id: String,
-    pub schema_hash: Digest,
-    pub membership_generation: u64,
-    pub retention_generation: u64,
+    pub scope: ScopeBindings,
     pub session_id: CanonicalUuid,
     pub rebuild_id: CanonicalUuid,
     pub snapshot_boundary: Boundary,
     pub next_row_ordinal: u64,
     pub page_limit: PageLimit,
     pub accepted_write_epoch: u64,
-    /// Microseconds since the Unix epoch.
-    pub issued_at: i64,
     /// Exactly 24 hours after session creation, in microseconds since the epoch.
     pub expires_at: i64,
 }
@@ -199,18 +196,7 @@ impl KeyRing {
         let key = self.active(TokenKind::IncrementalCursor);
         let mut o = common_payload(TokenKind::IncrementalCursor, key);
         put_position(&mut o, &b.position);
-        put_common(
-            &mut o,
-            b.stream_generation,
-            &b.user_binding,
-            &b.client_binding,
-            b.client_generation,
-            &b.scope_id,
-            &b.schema_hash,
-            b.membership_generation,
-            b.retention_generation,
-            b.issued_at,
-        );
+        put_scope(&mut o, &b.scope);
         seal(TokenKind::IncrementalCursor, key, &Value::Object(o))
     }
 
@@ -218,18 +204,7 @@ impl KeyRing {
     pub fn issue_continuation(&self, b: &ContinuationBindings) -> String {
         let key = self.active(TokenKind::RebuildContinuation);
         let mut o = common_payload(TokenKind::RebuildContinuation, key);
-        put_common(
-            &mut o,
-            b.stream_generation,
-            &b.user_binding,
-            &b.client_binding,
-            b.client_generation,
-            &b.scope_id,
-            &b.schema_hash,
-            b.membership_generation,
-            b.retention_generation,
-            b.issued_at,
-        );
+        put_scope(&mut o, &b.scope);
         o.insert("session_id".into(), Value::string(b.session_id.to_string()));
         o.insert("rebuild_id".into(), Value::string(b.rebuild_id.to_string()));
         let (kind, lsn) = match b.snapshot_boundary {
@@ -254,26 +229,15 @@ impl KeyRing {
     pub fn verify_cursor(&self, token: &str) -> Result<CursorBindings, Forged> {
         let mut m = self.open(TokenKind::IncrementalCursor, token)?;
         let position = take_position(&mut m)?;
-        let c = take_common(&mut m)?;
+        let scope = take_scope(&mut m)?;
         m.finish().map_err(|_| Forged)?;
-        Ok(CursorBindings {
-            stream_generation: c.stream_generation,
-            position,
-            user_binding: c.user_binding,
-            client_binding: c.client_binding,
-            client_generation: c.client_generation,
-            scope_id: c.scope_id,
-            schema_hash: c.schema_hash,
-            membership_generation: c.membership_generation,
-            retention_generation: c.retention_generation,
-            issued_at: c.issued_at,
-        })
+        Ok(CursorBindings { scope, position })
     }
 
     /// Authenticates a rebuild continuation and returns its bindings.
     pub fn verify_continuation(&self, token: &str) -> Result<ContinuationBindings, Forged> {
         let mut m = self.open(TokenKind::RebuildContinuation, token)?;
-        let c = take_common(&mut m)?;
+        let scope = take_scope(&mut m)?;
         let uuid = |m: &mut Members, name| {
             m.take(name)
                 .ok()
@@ -306,21 +270,13 @@ impl KeyRing {
             .map_err(|_| Forged)?;
         m.finish().map_err(|_| Forged)?;
         Ok(ContinuationBindings {
-            stream_generation: c.stream_generation,
-            user_binding: c.user_binding,
-            client_binding: c.client_binding,
-            client_generation: c.client_generation,
-            scope_id: c.scope_id,
-            schema_hash: c.schema_hash,
-            membership_generation: c.membership_generation,
-            retention_generation: c.retention_generation,
+            scope,
             session_id,
             rebuild_id,
             snapshot_boundary,
             next_row_ordinal,
             page_limit,
             accepted_write_epoch,
-            issued_at: c.issued_at,
             expires_at,
         })
     }
@@ -413,31 +369,22 @@ fn common_payload(kind: TokenKind, key: &TokenKey) -> Object {
     o
 }
 
-#[allow(clippy::too_many_arguments)]
-fn put_common(
-    o: &mut Object,
-    stream_generation: u64,
-    user_binding: &str,
-    client_binding: &str,
-    client_generation: u64,
-    scope_id: &str,
-    schema_hash: &Digest,
-    membership_generation: u64,
-    retention_generation: u64,
-    issued_at: i64,
-) {
-    o.insert("stream_generation".into(), counter(stream_generation));
-    o.insert("user_binding".into(), Value::string(user_binding));
-    o.insert("client_binding".into(), Value::string(client_binding));
-    o.insert("client_generation".into(), counter(client_generation));
-    o.insert("scope_id".into(), Value::string(scope_id));
-    o.insert("schema_hash".into(), Value::string(schema_hash.to_hex()));
+fn put_scope(o: &mut Object, b: &ScopeBindings) {
+    o.insert("stream_generation".into(), counter(b.stream_generation));
+    o.insert("user_binding".into(), Value::string(&b.user_binding));
+    o.insert("client_binding".into(), Value::string(&b.client_binding));
+    o.insert("client_generation".into(), counter(b.client_generation));
+    o.insert("scope_id".into(), Value::string(&b.scope_id));
+    o.insert("schema_hash".into(), Value::string(b.schema_hash.to_hex()));
     o.insert(
         "membership_generation".into(),
-        counter(membership_generation),
+        counter(b.membership_generation),
     );
-    o.insert("retention_generation".into(), counter(retention_generation));
-    o.insert("issued_at".into(), Value::string(issued_at.to_string()));
+    o.insert(
+        "retention_generation".into(),
+        counter(b.retention_generation),
+    );
+    o.insert("issued_at".into(), Value::string(b.issued_at.to_string()));
 }
 
 fn put_position(o: &mut Object, p: &StreamPosition) {
@@ -494,20 +441,8 @@ fn take_position(m: &mut Members) -> Result<StreamPosition, Forged> {
     })
 }
 
-struct Common {
-    stream_generation: u64,
-    user_binding: String,
-    client_binding: String,
-    client_generation: u64,
-    scope_id: String,
-    schema_hash: Digest,
-    membership_generation: u64,
-    retention_generation: u64,
-    issued_at: i64,
-}
-
-fn take_common(m: &mut Members) -> Result<Common, Forged> {
-    Ok(Common {
+fn take_scope(m: &mut Members) -> Result<ScopeBindings, Forged> {
+    Ok(ScopeBindings {
         stream_generation: take_counter(m, "stream_generation")?,
         user_binding: take_str(m, "user_binding")?,
         client_binding: take_str(m, "client_binding")?,

@@ -6,8 +6,8 @@ use protocol::digest::Digest;
 use protocol::ids::CanonicalUuid;
 use protocol::position::{Boundary, StreamPosition};
 use protocol::token::{
-    ContinuationBindings, CursorBindings, Forged, KeyRing, KeyRingError, KeyState, TokenKey,
-    TokenKind, client_binding, user_binding,
+    ContinuationBindings, CursorBindings, Forged, KeyRing, KeyRingError, KeyState, ScopeBindings,
+    TokenKey, TokenKind, client_binding, user_binding,
 };
 use protocol::wire::PageLimit;
 
@@ -29,18 +29,13 @@ fn ring() -> KeyRing {
     .unwrap()
 }
 
-fn cursor() -> CursorBindings {
-    CursorBindings {
+fn scope(scope_id: &str) -> ScopeBindings {
+    ScopeBindings {
         stream_generation: 3,
-        position: StreamPosition::Effect {
-            commit_lsn: u64::MAX,
-            event_ordinal: 2,
-            effect_ordinal: 9,
-        },
         user_binding: user_binding("user-1"),
         client_binding: client_binding("user-1", "ios-device-123"),
         client_generation: 4,
-        scope_id: "documents_user:u_123".into(),
+        scope_id: scope_id.into(),
         schema_hash: Digest([0x21; 32]),
         membership_generation: 1,
         retention_generation: 2,
@@ -48,23 +43,26 @@ fn cursor() -> CursorBindings {
     }
 }
 
+fn cursor() -> CursorBindings {
+    CursorBindings {
+        scope: scope("documents_user:u_123"),
+        position: StreamPosition::Effect {
+            commit_lsn: u64::MAX,
+            event_ordinal: 2,
+            effect_ordinal: 9,
+        },
+    }
+}
+
 fn continuation() -> ContinuationBindings {
     ContinuationBindings {
-        stream_generation: 3,
-        user_binding: user_binding("user-1"),
-        client_binding: client_binding("user-1", "ios-device-123"),
-        client_generation: 4,
-        scope_id: "documents_shared".into(),
-        schema_hash: Digest([0x21; 32]),
-        membership_generation: 1,
-        retention_generation: 2,
+        scope: scope("documents_shared"),
         session_id: CanonicalUuid::parse("018f2b5e-7c42-7a1d-9d31-8a95bd674999").unwrap(),
         rebuild_id: CanonicalUuid::parse("018f2b5e-7c42-7a1d-9d31-8a95bd674101").unwrap(),
         snapshot_boundary: Boundary::TransactionEnd { commit_lsn: 77 },
         next_row_ordinal: 1000,
         page_limit: PageLimit::new(1000).unwrap(),
         accepted_write_epoch: 12,
-        issued_at: 1_784_383_200_000_000,
         expires_at: 1_784_469_600_000_000,
     }
 }
