@@ -696,6 +696,8 @@ mod tests {
         assert_eq!(canon("1.7976931348623157e308"), "1.7976931348623157e+308");
         assert_eq!(canon("-1.5e-9"), "-1.5e-9");
         assert_eq!(canon("333333333.33333329"), "333333333.3333333");
+        // Exactly halfway between two 17-digit strings: ECMAScript picks the even one (V8 agrees).
+        assert_eq!(canon("-1503838585508069.25"), "-1503838585508069.2");
     }
 
     #[test]

@@ -15,11 +15,57 @@ fn ecmascript_number_to_string(x: f64) -> String {
     if x < 0.0 {
         return format!("-{}", ecmascript_number_to_string(-x));
     }
-    let sci = format!("{x:e}"); // shortest digits: d[.ddd]e<exp>
+    let sci = format!("{x:e}"); // shortest round-trip digits: d[.ddd]e<exp>
     let (mantissa, exp) = sci.split_once('e').unwrap();
-    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let mut digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let mut n = exp.parse::<i32>().unwrap() + 1;
+    // ECMA-262 Number::toString, note 2: when two shortest digit strings are
+    // equally close to the exact value, choose the even one. Rust std does
+    // not promise that, so detect a tie from the exact decimal expansion.
+    let exact = format!("{x:.800e}");
+    let exact_digits: String = exact
+        .split_once('e')
+        .unwrap()
+        .0
+        .chars()
+        .filter(|c| *c != '.')
+        .collect();
+    let k = digits.len();
+    let rest = &exact_digits[k..];
+    if rest.starts_with('5') && rest[1..].bytes().all(|b| b == b'0') {
+        let truncated = &exact_digits[..k];
+        if truncated.as_bytes()[k - 1] % 2 == 0 {
+            digits = truncated.to_owned();
+        } else {
+            // Round the truncated digits up by one unit in the last place.
+            let mut bytes = truncated.as_bytes().to_vec();
+            let mut i = k;
+            loop {
+                i -= 1;
+                if bytes[i] == b'9' {
+                    bytes[i] = b'0';
+                    if i == 0 {
+                        bytes.insert(0, b'1');
+                        n += 1;
+                        break;
+                    }
+                } else {
+                    bytes[i] += 1;
+                    break;
+                }
+            }
+            digits = String::from_utf8(bytes).unwrap();
+        }
+        digits = digits.trim_end_matches('0').to_owned();
+        assert_eq!(
+            format!("{digits}e{}", n - digits.len() as i32)
+                .parse::<f64>()
+                .unwrap(),
+            x,
+            "the even tie candidate round-trips"
+        );
+    }
     let k = digits.len() as i32;
-    let n = exp.parse::<i32>().unwrap() + 1;
     if k <= n && n <= 21 {
         format!("{digits}{}", "0".repeat((n - k) as usize))
     } else if 0 < n && n <= 21 {
