@@ -34,6 +34,21 @@ pub(crate) fn parse_body(body: &[u8]) -> Result<Value, ProtocolError> {
     json::parse(body).map_err(|e| ProtocolError::invalid_request(format!("malformed JSON: {e}")))
 }
 
+/// The `client_id` string member of a body, if it has one, without further
+/// validation: dispatch binds the client to the user before parsing (step 1).
+pub fn peek_client_id(body: &[u8]) -> Option<String> {
+    if body.len() > MAX_BODY_OCTETS {
+        return None;
+    }
+    match json::parse(body).ok()? {
+        Value::Object(mut o) => match o.remove("client_id")? {
+            Value::String(s) => Some(s),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// A page limit in the fixed inclusive range 1..=1000.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PageLimit(u16);

@@ -1,0 +1,627 @@
+//! The sync config: what operators declare in one TOML file (tables, logical
+//! IDs, portable types, membership and assignment rules, auth), its pure
+//! validation, and the manifest it defines. Validation against the live
+//! catalog is the store's (`store-pg`), because it needs the database.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use protocol::manifest::{Composition, FieldManifest, Lifecycle, ManifestError, TableManifest};
+use protocol::value::{DecimalBounds, FieldType, PortableType};
+use serde::Deserialize;
+
+/// The whole config file.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SyncConfig {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub auth: AuthConfig,
+    #[serde(default)]
+    pub assignment: AssignmentConfig,
+    #[serde(default)]
+    pub tables: Vec<TableConfig>,
+}
+
+/// Server-wide protocol settings.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Connect answers 426 to an `app_version` that precedes this.
+    pub minimum_client_version: Option<String>,
+}
+
+/// How the adapter authenticates bearer credentials.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
+pub enum AuthConfig {
+    /// HS256 JWTs; `sub` is the user ID. The secret file is created when absent.
+    Hs256 { secret_file: String },
+    /// A file of `token user_id` lines, for local use.
+    StaticTokens { tokens_file: String },
+    /// A trusted upstream proxy has authenticated the request and names the user in a header.
+    Upstream { header: String },
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig::Hs256 {
+            secret_file: ".synchro/hs256.secret".into(),
+        }
+    }
+}
+
+/// The sources of a client's authoritative scope assignment.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AssignmentConfig {
+    /// Every user's own scope; `{user_id}` is the only placeholder. Empty to disable.
+    #[serde(default = "default_user_scope")]
+    pub user_scope: String,
+    /// Scopes every user is assigned.
+    #[serde(default)]
+    pub shared: Vec<String>,
+    /// Whether rows of `synchro.scope_grants (user_id, scope_id)` assign scopes.
+    #[serde(default = "yes")]
+    pub grants: bool,
+    /// Scopes from a dependency relation keyed by user (e.g. team memberships).
+    #[serde(default)]
+    pub dependency: Vec<DependencyAssignment>,
+}
+
+impl Default for AssignmentConfig {
+    fn default() -> Self {
+        AssignmentConfig {
+            user_scope: default_user_scope(),
+            shared: Vec::new(),
+            grants: true,
+            dependency: Vec::new(),
+        }
+    }
+}
+
+fn default_user_scope() -> String {
+    "user:{user_id}".into()
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `scope` filled from `value_column` of the rows of `relation` whose `user_column` is the user.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(deny_unknown_fields)]
+pub struct DependencyAssignment {
+    pub relation: String,
+    pub user_column: String,
+    pub value_column: String,
+    /// A template with the single placeholder `{<value_column>}`.
+    pub scope: String,
+}
+
+/// One synced table.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TableConfig {
+    pub table_id: String,
+    pub relation_id: String,
+    /// Schema-qualified physical relation, e.g. `public.notes`.
+    pub relation: String,
+    /// Human-readable name in the manifest.
+    pub name: String,
+    /// Column name of the primary key.
+    pub primary_key: String,
+    #[serde(default)]
+    pub lifecycle: LifecycleConfig,
+    pub fields: Vec<FieldConfig>,
+    /// Membership rules: which scopes a row belongs to.
+    #[serde(default)]
+    pub scopes: Vec<MembershipRule>,
+    /// Optional declarative write rule: the column that must equal the pushing user.
+    pub owner_column: Option<String>,
+}
+
+/// Lifecycle columns by column name.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LifecycleConfig {
+    pub created_at: Option<String>,
+    pub updated_at: Option<String>,
+    pub deleted_at: Option<String>,
+}
+
+/// One synced column.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FieldConfig {
+    pub field_id: String,
+    pub column: String,
+    #[serde(rename = "type")]
+    pub portable_type: String,
+    #[serde(default)]
+    pub nullable: bool,
+    #[serde(default)]
+    pub writable: bool,
+    pub precision: Option<u32>,
+    pub scale: Option<u32>,
+}
+
+/// A membership rule of a table.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged, deny_unknown_fields)]
+pub enum MembershipRule {
+    /// A template over the row's own columns, e.g. `user:{owner_id}`.
+    Template { template: String },
+    /// Every row belongs to one shared scope.
+    Constant { constant: String },
+    /// A template over rows of a dependency relation joined by a column.
+    Dependency {
+        /// The dependency relation, e.g. `public.note_shares`.
+        via: String,
+        /// Its column that references this table's `column`.
+        key: String,
+        /// This table's column that `key` references.
+        column: String,
+        /// A template over the dependency row's columns, e.g. `team:{team_id}`.
+        template: String,
+    },
+}
+
+/// A config that breaks a rule; the message names the table and column.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError(msg.into()))
+}
+
+/// A scope template: literal text with `{name}` placeholders.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeTemplate {
+    parts: Vec<TemplatePart>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum TemplatePart {
+    Literal(String),
+    Placeholder(String),
+}
+
+impl ScopeTemplate {
+    /// Parses `text`; braces only delimit nonempty placeholder names.
+    pub fn parse(text: &str) -> Result<ScopeTemplate, ConfigError> {
+        let mut parts = Vec::new();
+        let mut rest = text;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(TemplatePart::Literal(rest[..open].to_owned()));
+            }
+            let Some(close) = rest[open..].find('}') else {
+                return err(format!("scope template `{text}` has an unclosed `{{`"));
+            };
+            let name = &rest[open + 1..open + close];
+            if name.is_empty() || name.contains('{') {
+                return err(format!(
+                    "scope template `{text}` has an empty or nested placeholder"
+                ));
+            }
+            parts.push(TemplatePart::Placeholder(name.to_owned()));
+            rest = &rest[open + close + 1..];
+        }
+        if rest.contains('}') {
+            return err(format!("scope template `{text}` has an unmatched `}}`"));
+        }
+        if !rest.is_empty() {
+            parts.push(TemplatePart::Literal(rest.to_owned()));
+        }
+        if parts.is_empty() {
+            return err("a scope template must not be empty");
+        }
+        Ok(ScopeTemplate { parts })
+    }
+
+    /// The placeholder names, in order.
+    pub fn placeholders(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().filter_map(|p| match p {
+            TemplatePart::Placeholder(n) => Some(n.as_str()),
+            TemplatePart::Literal(_) => None,
+        })
+    }
+
+    /// Fills placeholders; `None` when a value is missing or empty.
+    pub fn render(&self, value: impl Fn(&str) -> Option<String>) -> Option<String> {
+        let mut out = String::new();
+        for p in &self.parts {
+            match p {
+                TemplatePart::Literal(l) => out.push_str(l),
+                TemplatePart::Placeholder(n) => {
+                    let v = value(n)?;
+                    if v.is_empty() {
+                        return None;
+                    }
+                    out.push_str(&v);
+                }
+            }
+        }
+        Some(out)
+    }
+
+    /// Whether some values render this template to `scope_id`. Only single-placeholder
+    /// templates are matched exactly; others match by their literal prefix.
+    pub fn could_produce(&self, scope_id: &str) -> bool {
+        match self.parts.as_slice() {
+            [TemplatePart::Literal(l)] => scope_id == l,
+            [TemplatePart::Literal(pre), TemplatePart::Placeholder(_)] => {
+                scope_id.len() > pre.len() && scope_id.starts_with(pre.as_str())
+            }
+            [TemplatePart::Placeholder(_), TemplatePart::Literal(post)] => {
+                scope_id.len() > post.len() && scope_id.ends_with(post.as_str())
+            }
+            [
+                TemplatePart::Literal(pre),
+                TemplatePart::Placeholder(_),
+                TemplatePart::Literal(post),
+            ] => {
+                scope_id.len() > pre.len() + post.len()
+                    && scope_id.starts_with(pre.as_str())
+                    && scope_id.ends_with(post.as_str())
+            }
+            [TemplatePart::Placeholder(_)] => !scope_id.is_empty(),
+            parts => match parts.first() {
+                Some(TemplatePart::Literal(pre)) => scope_id.starts_with(pre.as_str()),
+                _ => true,
+            },
+        }
+    }
+}
+
+/// `schema.name`: both parts nonempty identifiers.
+fn check_relation(what: &str, relation: &str) -> Result<(), ConfigError> {
+    let ok = relation
+        .split_once('.')
+        .is_some_and(|(s, n)| is_identifier(s) && is_identifier(n));
+    if ok {
+        Ok(())
+    } else {
+        err(format!(
+            "{what}: relation `{relation}` must be schema-qualified, like `public.notes`"
+        ))
+    }
+}
+
+/// A plain SQL identifier: lowercase letters, digits and `_`, not starting with a digit.
+pub fn is_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !s.as_bytes()[0].is_ascii_digit()
+}
+
+impl SyncConfig {
+    /// Parses and validates a config file's text.
+    pub fn from_toml(text: &str) -> Result<SyncConfig, ConfigError> {
+        let config: SyncConfig =
+            toml::from_str(text).map_err(|e| ConfigError(format!("config: {e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The rules that need no database.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(v) = &self.server.minimum_client_version {
+            semver::Version::parse(v).map_err(|_| {
+                ConfigError(format!(
+                    "server.minimum_client_version `{v}` is not SemVer 2.0.0"
+                ))
+            })?;
+        }
+        let a = &self.assignment;
+        if !a.user_scope.is_empty() {
+            let t = ScopeTemplate::parse(&a.user_scope)?;
+            if t.placeholders().any(|p| p != "user_id") {
+                return err("assignment.user_scope may use only the placeholder {user_id}");
+            }
+        }
+        for s in &a.shared {
+            if ScopeTemplate::parse(s)?.placeholders().next().is_some() {
+                return err(format!(
+                    "assignment.shared scope `{s}` must not have placeholders"
+                ));
+            }
+        }
+        for d in &a.dependency {
+            check_relation("assignment.dependency", &d.relation)?;
+            for c in [&d.user_column, &d.value_column] {
+                if !is_identifier(c) {
+                    return err(format!(
+                        "assignment.dependency {}: column `{c}` is not a plain identifier",
+                        d.relation
+                    ));
+                }
+            }
+            let t = ScopeTemplate::parse(&d.scope)?;
+            if t.placeholders().collect::<Vec<_>>() != [d.value_column.as_str()] {
+                return err(format!(
+                    "assignment.dependency {}: scope must use exactly the placeholder {{{}}}",
+                    d.relation, d.value_column
+                ));
+            }
+        }
+        let mut table_ids = BTreeSet::new();
+        let mut relation_ids = BTreeSet::new();
+        for t in &self.tables {
+            if !table_ids.insert(&t.table_id) {
+                return err(format!("table {}: table_id is used twice", t.table_id));
+            }
+            if !relation_ids.insert(&t.relation_id) {
+                return err(format!(
+                    "table {}: relation_id `{}` is used twice",
+                    t.table_id, t.relation_id
+                ));
+            }
+            t.validate()?;
+        }
+        Ok(())
+    }
+
+    /// The current manifest's tables.
+    pub fn table_manifests(&self) -> Result<Vec<TableManifest>, ConfigError> {
+        self.tables.iter().map(TableConfig::manifest).collect()
+    }
+}
+
+impl TableConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let t = &self.table_id;
+        check_relation(&format!("table {t}"), &self.relation)?;
+        let mut field_ids = BTreeSet::new();
+        let mut columns = BTreeSet::new();
+        for f in &self.fields {
+            if !field_ids.insert(&f.field_id) {
+                return err(format!(
+                    "table {t}: field_id `{}` is used twice",
+                    f.field_id
+                ));
+            }
+            if !is_identifier(&f.column) {
+                return err(format!(
+                    "table {t}: column `{}` is not a plain identifier",
+                    f.column
+                ));
+            }
+            if !columns.insert(&f.column) {
+                return err(format!("table {t}: column `{}` is synced twice", f.column));
+            }
+            f.field_type()
+                .map_err(|e| ConfigError(format!("table {t}, column {}: {e}", f.column)))?;
+        }
+        let column = |c: &str| self.fields.iter().find(|f| f.column == c);
+        let Some(pk) = column(&self.primary_key) else {
+            return err(format!(
+                "table {t}: primary key column `{}` is not a synced field",
+                self.primary_key
+            ));
+        };
+        for (what, c) in [
+            ("created_at", &self.lifecycle.created_at),
+            ("updated_at", &self.lifecycle.updated_at),
+            ("deleted_at", &self.lifecycle.deleted_at),
+        ] {
+            if let Some(c) = c
+                && column(c).is_none()
+            {
+                return err(format!(
+                    "table {t}: lifecycle {what} column `{c}` is not a synced field"
+                ));
+            }
+        }
+        if let Some(c) = &self.lifecycle.deleted_at
+            && column(c).is_some_and(|f| !f.nullable)
+        {
+            return err(format!(
+                "table {t}: lifecycle deleted_at column `{c}` must be nullable"
+            ));
+        }
+        if let Some(c) = &self.owner_column
+            && column(c).is_none()
+        {
+            return err(format!(
+                "table {t}: owner_column `{c}` is not a synced field"
+            ));
+        }
+        if self.scopes.is_empty() {
+            return err(format!(
+                "table {t}: at least one membership rule (scopes) is required"
+            ));
+        }
+        for rule in &self.scopes {
+            match rule {
+                MembershipRule::Template { template } => {
+                    for p in ScopeTemplate::parse(template)?.placeholders() {
+                        if column(p).is_none() {
+                            return err(format!(
+                                "table {t}: scope template `{template}` uses `{p}`, not a synced column"
+                            ));
+                        }
+                    }
+                }
+                MembershipRule::Constant { constant } => {
+                    if ScopeTemplate::parse(constant)?
+                        .placeholders()
+                        .next()
+                        .is_some()
+                    {
+                        return err(format!(
+                            "table {t}: constant scope `{constant}` must not have placeholders"
+                        ));
+                    }
+                }
+                MembershipRule::Dependency {
+                    via,
+                    key,
+                    column: own,
+                    template,
+                } => {
+                    check_relation(&format!("table {t}"), via)?;
+                    if !is_identifier(key) {
+                        return err(format!(
+                            "table {t}: dependency key `{key}` is not a plain identifier"
+                        ));
+                    }
+                    if column(own).is_none() {
+                        return err(format!(
+                            "table {t}: dependency column `{own}` is not a synced field"
+                        ));
+                    }
+                    for p in ScopeTemplate::parse(template)?.placeholders() {
+                        if !is_identifier(p) {
+                            return err(format!(
+                                "table {t}: dependency template uses `{p}`, not a plain identifier"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let key_type = pk.field_type().map_err(|e| ConfigError(e.to_string()))?;
+        if key_type.nullable || !key_type.ty.is_key_type() {
+            return err(format!(
+                "table {t}: primary key column `{}` must be a non-null string, int or int64",
+                self.primary_key
+            ));
+        }
+        self.manifest().map(|_| ())
+    }
+
+    /// The field ID synced from column `c`.
+    pub fn field_id_of(&self, c: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|f| f.column == c)
+            .map(|f| f.field_id.as_str())
+    }
+
+    /// This table's manifest entry.
+    pub fn manifest(&self) -> Result<TableManifest, ConfigError> {
+        let t = &self.table_id;
+        let fields = self
+            .fields
+            .iter()
+            .map(|f| {
+                let ty = f
+                    .field_type()
+                    .map_err(|e| ConfigError(format!("table {t}, column {}: {e}", f.column)))?;
+                FieldManifest::new(&f.field_id, &f.column, ty, f.writable)
+                    .map_err(|e| ConfigError(format!("table {t}, column {}: {e}", f.column)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let id = |c: &Option<String>| {
+            c.as_deref()
+                .and_then(|c| self.field_id_of(c))
+                .map(str::to_owned)
+        };
+        let lifecycle = Lifecycle {
+            created_at_field_id: id(&self.lifecycle.created_at),
+            updated_at_field_id: id(&self.lifecycle.updated_at),
+            deleted_at_field_id: id(&self.lifecycle.deleted_at),
+        };
+        let single =
+            self.scopes.len() == 1 && !matches!(self.scopes[0], MembershipRule::Dependency { .. });
+        let composition = if single {
+            Composition::SingleScope
+        } else {
+            Composition::MultiScope
+        };
+        let pk = self.field_id_of(&self.primary_key).unwrap_or_default();
+        TableManifest::new(
+            t,
+            &self.relation_id,
+            &self.name,
+            composition,
+            pk,
+            lifecycle,
+            fields,
+        )
+        .map_err(|ManifestError(e)| ConfigError(format!("table {t}: {e}")))
+    }
+}
+
+impl FieldConfig {
+    /// The declared portable type with nullability and decimal bounds.
+    pub fn field_type(&self) -> Result<FieldType, String> {
+        let ty = PortableType::from_name(&self.portable_type)
+            .ok_or_else(|| format!("`{}` is not a portable type", self.portable_type))?;
+        let decimal = match (ty, self.precision, self.scale) {
+            (PortableType::Decimal, Some(precision), Some(scale))
+                if precision > 0 && scale <= precision =>
+            {
+                Some(DecimalBounds { precision, scale })
+            }
+            (PortableType::Decimal, _, _) => {
+                return Err("decimal needs precision > 0 and scale <= precision".into());
+            }
+            (_, None, None) => None,
+            _ => return Err("only decimal fields take precision and scale".into()),
+        };
+        Ok(FieldType {
+            ty,
+            nullable: self.nullable,
+            decimal,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates() {
+        let t = ScopeTemplate::parse("team:{team_id}").unwrap();
+        assert_eq!(t.placeholders().collect::<Vec<_>>(), ["team_id"]);
+        assert_eq!(t.render(|_| Some("t9".into())).as_deref(), Some("team:t9"));
+        assert_eq!(t.render(|_| Some(String::new())), None);
+        assert!(t.could_produce("team:t9"));
+        assert!(!t.could_produce("team:"));
+        assert!(!t.could_produce("user:t9"));
+        assert!(ScopeTemplate::parse("a{").is_err());
+        assert!(ScopeTemplate::parse("a{}").is_err());
+        assert!(ScopeTemplate::parse("a}").is_err());
+        assert!(ScopeTemplate::parse("").is_err());
+        assert!(
+            ScopeTemplate::parse("public")
+                .unwrap()
+                .could_produce("public")
+        );
+    }
+}
+
+#[cfg(test)]
+mod example_tests {
+    use super::*;
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let c = SyncConfig::from_toml(include_str!("../../examples/notes/config.toml")).unwrap();
+        let tables = c.table_manifests().unwrap();
+        assert_eq!(tables.len(), 2);
+        assert_eq!(
+            tables[0].composition(),
+            protocol::manifest::Composition::MultiScope
+        );
+        assert_eq!(
+            tables[1].composition(),
+            protocol::manifest::Composition::SingleScope
+        );
+    }
+}

@@ -1,0 +1,158 @@
+//! The engine: one call per endpoint, each a typed message to the actor that
+//! owns the state. This is the "canonical extension function" of the wire
+//! spec; the HTTP adapter only authenticates and forwards bytes.
+
+use protocol::error::{ErrorKind, ProtocolError};
+use protocol::json;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::SyncConfig;
+use crate::registry::{Registry, RegistryError};
+use crate::store::Store;
+
+/// A complete HTTP answer: status, canonical JSON body, optional `Retry-After`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Vec<u8>,
+    pub retry_after: Option<u32>,
+}
+
+impl Reply {
+    /// A 200 reply with a canonical body.
+    pub fn ok(body: Vec<u8>) -> Reply {
+        Reply {
+            status: 200,
+            body,
+            retry_after: None,
+        }
+    }
+
+    /// The error envelope of `e`.
+    pub fn error(e: &ProtocolError) -> Reply {
+        Reply {
+            status: e.status(),
+            body: e.to_body(),
+            retry_after: e.retry_after(),
+        }
+    }
+}
+
+impl From<Result<Vec<u8>, ProtocolError>> for Reply {
+    fn from(r: Result<Vec<u8>, ProtocolError>) -> Reply {
+        match r {
+            Ok(body) => Reply::ok(body),
+            Err(e) => Reply::error(&e),
+        }
+    }
+}
+
+enum RegistryMsg {
+    Connect {
+        user_id: String,
+        body: Vec<u8>,
+        now_micros: i64,
+        reply: oneshot::Sender<Reply>,
+    },
+    Schema {
+        reply: oneshot::Sender<Reply>,
+    },
+    Tables {
+        reply: oneshot::Sender<Reply>,
+    },
+    Ready {
+        reply: oneshot::Sender<bool>,
+    },
+}
+
+/// Handles to the running actors. Cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    registry: mpsc::Sender<RegistryMsg>,
+}
+
+/// How many requests may wait for the registry before callers wait too.
+const REGISTRY_INBOX: usize = 1024;
+
+impl Engine {
+    /// Loads the registry from `store` and starts its actor.
+    pub async fn start<S: Store>(store: S, config: SyncConfig) -> Result<Engine, RegistryError> {
+        let registry = Registry::load(store, config).await?;
+        let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
+        tokio::spawn(async move {
+            while let Some(msg) = rx.recv().await {
+                match msg {
+                    RegistryMsg::Connect {
+                        user_id,
+                        body,
+                        now_micros,
+                        reply,
+                    } => {
+                        let r = registry
+                            .connect(&user_id, &body, now_micros)
+                            .await
+                            .map(|c| c.to_body());
+                        let _ = reply.send(r.into());
+                    }
+                    RegistryMsg::Schema { reply } => {
+                        let _ = reply.send(Reply::ok(json::to_canonical(&registry.schema_json())));
+                    }
+                    RegistryMsg::Tables { reply } => {
+                        let _ = reply.send(Reply::ok(json::to_canonical(&registry.tables_json())));
+                    }
+                    RegistryMsg::Ready { reply } => {
+                        let _ = reply.send(registry.ready().await);
+                    }
+                }
+            }
+        });
+        Ok(Engine { registry: tx })
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> RegistryMsg) -> Option<T> {
+        let (tx, rx) = oneshot::channel();
+        self.registry.send(make(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// `POST /sync/connect` for an authenticated user.
+    pub async fn connect(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        let user_id = user_id.to_owned();
+        self.ask(|reply| RegistryMsg::Connect {
+            user_id,
+            body,
+            now_micros,
+            reply,
+        })
+        .await
+        .unwrap_or_else(unavailable)
+    }
+
+    /// `GET /sync/schema`.
+    pub async fn schema(&self) -> Reply {
+        self.ask(|reply| RegistryMsg::Schema { reply })
+            .await
+            .unwrap_or_else(unavailable)
+    }
+
+    /// `GET /sync/tables`.
+    pub async fn tables(&self) -> Reply {
+        self.ask(|reply| RegistryMsg::Tables { reply })
+            .await
+            .unwrap_or_else(unavailable)
+    }
+
+    /// Whether the registry runs and the store answers.
+    pub async fn ready(&self) -> bool {
+        self.ask(|reply| RegistryMsg::Ready { reply })
+            .await
+            .unwrap_or(false)
+    }
+}
+
+/// The actor is gone: the operation cannot complete.
+fn unavailable() -> Reply {
+    Reply::error(&ProtocolError::new(ErrorKind::TemporaryUnavailable {
+        reason: None,
+    }))
+}

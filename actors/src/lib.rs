@@ -1,0 +1,14 @@
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+//! The synchro engine: protocol logic in actors over a thin, typed store.
+//!
+//! Runs unchanged on tokio and under the madsim simulator: no OS threads,
+//! no real clock (callers pass the time in), no ambient entropy.
+
+pub mod config;
+pub mod engine;
+pub mod registry;
+pub mod store;
+
+pub use engine::{Engine, Reply};
+#[cfg(feature = "testkit")]
+pub mod testkit;

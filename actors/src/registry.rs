@@ -1,0 +1,529 @@
+//! The scope-registry actor: schema manifests and their lineage, client
+//! generations, authoritative scope assignment, and connect.
+//!
+//! Every connect runs in one store transaction that locks the client row,
+//! so concurrent connects of one client serialize and a failed connect
+//! writes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use protocol::error::{ErrorKind, ProtocolError};
+use protocol::ids::ScopeId;
+use protocol::json::{self, Value};
+use protocol::limits::MAX_SAFE_INTEGER;
+use protocol::manifest::{Manifest, SchemaRef, TableManifest, TransitionClass};
+use protocol::wire::connect::{
+    AffectedScopes, ConnectRequest, ConnectResponse, ConnectSchema, SchemaAction, UnsupportedReason,
+};
+use protocol::wire::{AssignmentDelta, format_server_time};
+
+use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
+use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+
+/// What one schema transition changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    pub class: TransitionClass,
+    /// Tables whose rows must be rematerialized (class 3 changes).
+    pub rematerialized: BTreeSet<String>,
+}
+
+/// The transition class from `old` tables to `new` tables (docs/adr/0003).
+pub fn classify(old: &[TableManifest], new: &[TableManifest]) -> Transition {
+    let mut class = TransitionClass::Initial;
+    let mut rematerialized = BTreeSet::new();
+    let mut raise = |c: TransitionClass| class = class.max(c);
+    for o in old {
+        if !new.iter().any(|n| n.table_id() == o.table_id()) {
+            raise(TransitionClass::Class4); // a table disappeared
+        }
+    }
+    for n in new {
+        let Some(o) = old.iter().find(|o| o.table_id() == n.table_id()) else {
+            raise(TransitionClass::Class2); // a new, empty table
+            continue;
+        };
+        if o.relation_id() != n.relation_id()
+            || o.primary_key_field_id() != n.primary_key_field_id()
+        {
+            raise(TransitionClass::Class4); // identity changed
+        }
+        for of in o.fields() {
+            match n.field(of.field_id()) {
+                None => raise(TransitionClass::Class4), // removed field
+                Some(nf) if nf.field_type() != of.field_type() => raise(TransitionClass::Class4), // retyped
+                Some(nf) if nf.writable() != of.writable() || nf.name() != of.name() => {
+                    raise(TransitionClass::Class2)
+                }
+                Some(_) => {}
+            }
+        }
+        for nf in n.fields() {
+            if o.field(nf.field_id()).is_none() {
+                if nf.field_type().nullable {
+                    raise(TransitionClass::Class2); // rows stay valid with null
+                } else {
+                    raise(TransitionClass::Class3);
+                    rematerialized.insert(n.table_id().to_owned());
+                }
+            }
+        }
+        if o.lifecycle() != n.lifecycle() || o.composition() != n.composition() {
+            raise(TransitionClass::Class3);
+            rematerialized.insert(n.table_id().to_owned());
+        }
+        if o.name() != n.name() {
+            raise(TransitionClass::Class2);
+        }
+    }
+    Transition {
+        class,
+        rematerialized,
+    }
+}
+
+/// The immutable manifests in version order, with each transition.
+#[derive(Clone, Debug)]
+pub struct SchemaHistory {
+    manifests: Vec<Arc<Manifest>>,
+    /// `transitions[i]` leads from `manifests[i]` to `manifests[i + 1]`.
+    transitions: Vec<Transition>,
+}
+
+/// Where a client's installed schema stands relative to the current one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lineage {
+    Current,
+    Unknown,
+    /// The greatest class along the path and the tables to rematerialize.
+    Known(Transition),
+}
+
+impl SchemaHistory {
+    /// A history from stored manifests (ascending versions, each the parent of the next).
+    pub fn new(manifests: Vec<Manifest>) -> Result<SchemaHistory, StoreError> {
+        let manifests: Vec<Arc<Manifest>> = manifests.into_iter().map(Arc::new).collect();
+        for w in manifests.windows(2) {
+            if w[1].parent_schema() != Some(w[0].reference()) {
+                return Err(StoreError::Integrity(
+                    "stored manifests do not form one lineage".into(),
+                ));
+            }
+        }
+        let transitions = manifests
+            .windows(2)
+            .map(|w| classify(w[0].tables(), w[1].tables()))
+            .collect();
+        Ok(SchemaHistory {
+            manifests,
+            transitions,
+        })
+    }
+
+    /// The current manifest.
+    pub fn current(&self) -> Option<&Arc<Manifest>> {
+        self.manifests.last()
+    }
+
+    /// The lineage of `r` to the current manifest.
+    pub fn lineage(&self, r: &SchemaRef) -> Lineage {
+        let Some(i) = self.manifests.iter().position(|m| m.reference() == *r) else {
+            return Lineage::Unknown;
+        };
+        if i + 1 == self.manifests.len() {
+            return Lineage::Current;
+        }
+        let mut path = Transition {
+            class: TransitionClass::Initial,
+            rematerialized: BTreeSet::new(),
+        };
+        for t in &self.transitions[i..] {
+            path.class = path.class.max(t.class);
+            path.rematerialized.extend(t.rematerialized.iter().cloned());
+        }
+        Lineage::Known(path)
+    }
+}
+
+/// Brings the stored history up to the config: appends a manifest when the
+/// config's tables differ from the current one. Runs in the caller's transaction.
+pub async fn reconcile_schema<T: StoreTx>(
+    tx: &mut T,
+    config: &SyncConfig,
+) -> Result<SchemaHistory, RegistryError> {
+    let tables = config
+        .table_manifests()
+        .map_err(|e| RegistryError::Config(e.0))?;
+    let stored = tx.manifests().await?;
+    let next = match stored.last() {
+        None => Some(Manifest::new(1, None, TransitionClass::Initial, 1, tables)),
+        Some(last) if last.tables() == tables.as_slice() => None,
+        Some(last) => {
+            let t = classify(last.tables(), &tables);
+            if t.class == TransitionClass::Initial {
+                None // only ordering differed
+            } else {
+                let version = last.schema_version() + 1;
+                let floor = if t.class == TransitionClass::Class4 {
+                    version
+                } else {
+                    last.compatibility_floor()
+                };
+                Some(Manifest::new(
+                    version,
+                    Some(last.reference()),
+                    t.class,
+                    floor,
+                    tables,
+                ))
+            }
+        }
+    };
+    let mut manifests = stored;
+    if let Some(m) = next {
+        let m = m.map_err(|e| RegistryError::Config(e.0.into()))?;
+        tx.insert_manifest(&m).await?;
+        manifests.push(m);
+    }
+    Ok(SchemaHistory::new(manifests)?)
+}
+
+/// Why the registry could not start.
+#[derive(Debug)]
+pub enum RegistryError {
+    Config(String),
+    Store(StoreError),
+}
+
+impl From<StoreError> for RegistryError {
+    fn from(e: StoreError) -> Self {
+        RegistryError::Store(e)
+    }
+}
+
+impl std::fmt::Display for RegistryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegistryError::Config(m) => write!(f, "config: {m}"),
+            RegistryError::Store(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for RegistryError {}
+
+/// Maps a store failure to the protocol error a client sees.
+pub(crate) fn store_error(e: StoreError) -> ProtocolError {
+    match e {
+        StoreError::Unavailable(_) => {
+            ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })
+        }
+        StoreError::Integrity(_) => ProtocolError::new(ErrorKind::SyncIntegrityFailure),
+    }
+}
+
+/// The registry's state: config, schema history and the store.
+pub struct Registry<S: Store> {
+    store: S,
+    config: SyncConfig,
+    history: SchemaHistory,
+    current: Arc<Manifest>,
+    minimum_client_version: Option<semver::Version>,
+}
+
+impl<S: Store> Registry<S> {
+    /// Loads the history, appending the config's manifest when it changed.
+    pub async fn load(store: S, config: SyncConfig) -> Result<Registry<S>, RegistryError> {
+        let mut tx = store.begin().await?;
+        let history = reconcile_schema(&mut tx, &config).await?;
+        tx.commit().await?;
+        let current = history
+            .current()
+            .cloned()
+            .ok_or(RegistryError::Config("no manifest".into()))?;
+        let minimum_client_version = match &config.server.minimum_client_version {
+            Some(v) => {
+                Some(semver::Version::parse(v).map_err(|e| RegistryError::Config(e.to_string()))?)
+            }
+            None => None,
+        };
+        Ok(Registry {
+            store,
+            config,
+            history,
+            current,
+            minimum_client_version,
+        })
+    }
+
+    /// The current manifest.
+    pub fn current(&self) -> &Arc<Manifest> {
+        &self.current
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The config.
+    pub fn config(&self) -> &SyncConfig {
+        &self.config
+    }
+
+    /// Whether the store answers.
+    pub async fn ready(&self) -> bool {
+        match self.store.begin().await {
+            Ok(mut tx) => tx.manifests().await.is_ok() && tx.commit().await.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// `/sync/connect` for the authenticated `user_id`, at server time `now_micros`.
+    pub async fn connect(
+        &self,
+        user_id: &str,
+        body: &[u8],
+        now_micros: i64,
+    ) -> Result<ConnectResponse, ProtocolError> {
+        // Step 1 of dispatch: bind client_id to the user before anything else.
+        let mut tx = self.store.begin().await.map_err(store_error)?;
+        let existing = match protocol::wire::peek_client_id(body) {
+            Some(client_id) => tx.lock_client(&client_id).await.map_err(store_error)?,
+            None => None,
+        };
+        if existing.as_ref().is_some_and(|c| c.user_id != user_id) {
+            return Err(ProtocolError::new(ErrorKind::AuthRequired));
+        }
+        // Steps 2 and 3: compatibility gates, then structure.
+        let req = ConnectRequest::parse(body, self.minimum_client_version.as_ref())?;
+        // Step 4: retirement.
+        if existing.as_ref().is_some_and(|c| c.retired) {
+            return Err(ProtocolError::new(ErrorKind::ClientRetired));
+        }
+        let (mut client, renewed) = self.resolve_generation(user_id, &req, existing)?;
+        let authoritative = self.assignment(&mut tx, user_id).await?;
+        if authoritative != client.assigned {
+            client.scope_set_version = next_counter(client.scope_set_version)?;
+            client.assigned = authoritative.clone();
+        }
+        let known: BTreeSet<&ScopeId> = req.known_scopes.keys().collect();
+        let scopes = AssignmentDelta {
+            add: authoritative
+                .iter()
+                .filter(|s| !known.contains(s))
+                .map(|s| (s.clone(), None))
+                .collect(),
+            remove: known
+                .iter()
+                .filter(|s| !authoritative.contains(s))
+                .map(|s| (*s).clone())
+                .collect(),
+        };
+        let schema = self.schema_action(&req, &authoritative);
+        // Existing assignments keep their cursors only when nothing they depend on changed.
+        let cursors_stale = renewed || !matches!(schema, SchemaAction::None { .. });
+        let scope_cursor_updates = req
+            .known_scopes
+            .iter()
+            .filter(|(s, cursor)| cursors_stale && cursor.is_some() && authoritative.contains(*s))
+            .map(|(s, _)| (s.clone(), None))
+            .collect();
+        client.installed_schema = match req.schema {
+            ConnectSchema::Fresh => None,
+            ConnectSchema::Installed(r) => Some(r),
+        };
+        tx.put_client(&client).await.map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        Ok(ConnectResponse {
+            server_time: format_server_time(now_micros),
+            client_generation: client.generation,
+            scope_set_version: client.scope_set_version,
+            schema,
+            scopes,
+            scope_cursor_updates,
+        })
+    }
+
+    /// The client record this connect continues, and whether its generation was renewed.
+    fn resolve_generation(
+        &self,
+        user_id: &str,
+        req: &ConnectRequest,
+        existing: Option<ClientRecord>,
+    ) -> Result<(ClientRecord, bool), ProtocolError> {
+        let fresh_record = |generation| ClientRecord {
+            user_id: user_id.to_owned(),
+            client_id: req.client_id.clone(),
+            generation,
+            retired: false,
+            installed_schema: None,
+            scope_set_version: 0,
+            assigned: BTreeSet::new(),
+        };
+        let sentinel_misuse = || {
+            let received = schema_value(&req.schema);
+            ProtocolError::invalid_schema_reference(Some(&received)).with_message(
+                "a known client identity must present its generation and installed schema",
+            )
+        };
+        // A known identity must present its generation and a real installed schema.
+        if existing.is_some()
+            && (req.client_generation.is_none() || req.schema == ConnectSchema::Fresh)
+        {
+            return Err(sentinel_misuse());
+        }
+        match (existing, req.client_generation) {
+            // A fresh local client: first generation.
+            (None, None) => Ok((fresh_record(1), false)),
+            // A continuing client the server does not know (restored elsewhere): a newer generation.
+            (None, Some(presented)) => Ok((fresh_record(next_counter(presented)?), true)),
+            (Some(c), None) => Ok((c, false)), // excluded above
+            (Some(c), Some(presented)) if presented == c.generation => Ok((c, false)),
+            // Stale or unknown generation: renew above both.
+            (Some(mut c), Some(presented)) => {
+                c.generation = next_counter(c.generation.max(presented))?;
+                Ok((c, true))
+            }
+        }
+    }
+
+    /// The exact schema action dispatch of the wire spec.
+    fn schema_action(&self, req: &ConnectRequest, assigned: &BTreeSet<ScopeId>) -> SchemaAction {
+        let current = self.current.clone();
+        let all_assigned = || AffectedScopes::new(assigned.iter().cloned().collect());
+        let installed = match req.schema {
+            ConnectSchema::Fresh => return SchemaAction::Replace { current },
+            ConnectSchema::Installed(r) => r,
+        };
+        if req.schema_reset {
+            return match all_assigned() {
+                Some(affected_scopes) => SchemaAction::RebuildLocal {
+                    current,
+                    affected_scopes,
+                },
+                None => SchemaAction::Replace { current },
+            };
+        }
+        let unsupported = |reason| SchemaAction::Unsupported {
+            current: self.current.reference(),
+            reason,
+        };
+        match self.history.lineage(&installed) {
+            Lineage::Current => SchemaAction::None {
+                current: current.reference(),
+            },
+            Lineage::Unknown => unsupported(UnsupportedReason::UnknownSchemaLineage),
+            Lineage::Known(t) if t.class == TransitionClass::Class4 => {
+                unsupported(UnsupportedReason::IncompatibleSchemaTransition)
+            }
+            Lineage::Known(t) if t.class == TransitionClass::Class3 => {
+                let affected = assigned
+                    .iter()
+                    .filter(|s| self.produced_by(&t.rematerialized, s))
+                    .cloned();
+                match AffectedScopes::new(affected.collect()) {
+                    Some(affected_scopes) => SchemaAction::RebuildLocal {
+                        current,
+                        affected_scopes,
+                    },
+                    None => SchemaAction::Replace { current },
+                }
+            }
+            Lineage::Known(_) => SchemaAction::Replace { current },
+        }
+    }
+
+    /// Whether a membership rule of one of `tables` could place rows in `scope`.
+    fn produced_by(&self, tables: &BTreeSet<String>, scope: &ScopeId) -> bool {
+        let rules = self
+            .config
+            .tables
+            .iter()
+            .filter(|t| tables.contains(&t.table_id))
+            .flat_map(|t| &t.scopes);
+        rules.into_iter().any(|rule| {
+            let template = match rule {
+                MembershipRule::Template { template }
+                | MembershipRule::Dependency { template, .. } => template,
+                MembershipRule::Constant { constant } => constant,
+            };
+            ScopeTemplate::parse(template).is_ok_and(|t| t.could_produce(scope.as_str()))
+        })
+    }
+
+    /// The authoritative assignment of `user_id` (connect and pull use this one rule).
+    pub async fn assignment<T: StoreTx>(
+        &self,
+        tx: &mut T,
+        user_id: &str,
+    ) -> Result<BTreeSet<ScopeId>, ProtocolError> {
+        let a = &self.config.assignment;
+        let mut scopes: Vec<String> = Vec::new();
+        if !a.user_scope.is_empty()
+            && let Ok(t) = ScopeTemplate::parse(&a.user_scope)
+            && let Some(s) = t.render(|_| Some(user_id.to_owned()))
+        {
+            scopes.push(s);
+        }
+        scopes.extend(a.shared.iter().cloned());
+        if a.grants {
+            scopes.extend(tx.grants(user_id).await.map_err(store_error)?);
+        }
+        for d in &a.dependency {
+            let Ok(t) = ScopeTemplate::parse(&d.scope) else {
+                continue;
+            };
+            for v in tx
+                .dependency_values(d, user_id)
+                .await
+                .map_err(store_error)?
+            {
+                scopes.extend(t.render(|_| Some(v.clone())));
+            }
+        }
+        // A value that cannot be a scope ID (empty or too long) assigns nothing.
+        Ok(scopes.iter().filter_map(|s| ScopeId::parse(s)).collect())
+    }
+
+    /// `GET /sync/schema`: the current manifest.
+    pub fn schema_json(&self) -> Value {
+        self.current.to_json()
+    }
+
+    /// `GET /sync/tables`: registered table metadata.
+    pub fn tables_json(&self) -> Value {
+        let tables = self.config.tables.iter().map(|t| {
+            json::object([
+                ("table_id", Value::string(&t.table_id)),
+                ("relation_id", Value::string(&t.relation_id)),
+                ("name", Value::string(&t.name)),
+                ("relation", Value::string(&t.relation)),
+            ])
+        });
+        json::object([("tables", Value::Array(tables.collect()))])
+    }
+}
+
+/// The received schema member as JSON, for `received_schema`.
+fn schema_value(s: &ConnectSchema) -> Value {
+    match s {
+        ConnectSchema::Fresh => {
+            json::object([("version", Value::int(0)), ("hash", Value::string(""))])
+        }
+        ConnectSchema::Installed(r) => r.to_json(),
+    }
+}
+
+/// `n + 1`, failing before the portable range is left.
+fn next_counter(n: u64) -> Result<u64, ProtocolError> {
+    if n >= MAX_SAFE_INTEGER {
+        return Err(ProtocolError::new(ErrorKind::SyncIntegrityFailure)
+            .with_message("a counter would leave the portable range"));
+    }
+    Ok(n + 1)
+}
+
+/// The scope-cursor map type connect answers with.
+pub type CursorUpdates = BTreeMap<ScopeId, Option<String>>;

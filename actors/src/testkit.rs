@@ -1,0 +1,576 @@
+//! Scenario suites shared by every way of running the engine: in memory
+//! (`actors` tests, MemStore) and over real HTTP against PostgreSQL
+//! (`server` tests, PgStore). One definition of the expected behaviour, two
+//! worlds. Built only with the `testkit` feature.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use protocol::json::{self, Value};
+use protocol::manifest::Manifest;
+
+use crate::config::SyncConfig;
+
+/// The example config (`examples/notes/config.toml`).
+pub const EXAMPLE_CONFIG: &str = include_str!("../../examples/notes/config.toml");
+
+/// The example config parsed, after `edit` was applied to its text.
+pub fn example_config(edit: impl Fn(String) -> String) -> SyncConfig {
+    SyncConfig::from_toml(&edit(EXAMPLE_CONFIG.to_owned())).unwrap()
+}
+
+/// One running engine with its own empty database.
+#[allow(async_fn_in_trait)]
+pub trait Harness {
+    /// `POST /sync/connect` as `user`; the status and parsed body.
+    async fn connect(&mut self, user: &str, body: &Value) -> (u16, Value);
+    /// Stops the engine and starts it again on the same database with `config`.
+    async fn restart(&mut self, config: &SyncConfig);
+    /// Adds or removes a row of `synchro.scope_grants`.
+    async fn grant(&mut self, user: &str, scope: &str, on: bool);
+    /// Adds or removes a row of the example's `public.team_members`.
+    async fn team_member(&mut self, user: &str, team: &str, on: bool);
+    /// Retires a client identity (an operator action).
+    async fn retire(&mut self, client_id: &str);
+}
+
+/// Makes fresh harnesses.
+#[allow(async_fn_in_trait)]
+pub trait HarnessFactory {
+    type H: Harness;
+    /// A new engine on a new, empty database, started with `config`.
+    async fn fresh(&self, config: &SyncConfig) -> Self::H;
+}
+
+/// A connect request body.
+#[derive(Clone)]
+pub struct ConnectBody {
+    pub client_id: String,
+    pub generation: Option<u64>,
+    pub schema: Value,
+    pub scope_set_version: u64,
+    pub known: Vec<(String, Option<String>)>,
+    pub reset: bool,
+    pub app_version: String,
+    pub protocol_version: i64,
+}
+
+impl ConnectBody {
+    /// A fresh client's first connect.
+    pub fn fresh(client_id: &str) -> ConnectBody {
+        ConnectBody {
+            client_id: client_id.into(),
+            generation: None,
+            schema: json::parse(br#"{"version":0,"hash":""}"#).unwrap(),
+            scope_set_version: 0,
+            known: Vec::new(),
+            reset: false,
+            app_version: "1.2.0".into(),
+            protocol_version: 3,
+        }
+    }
+
+    /// A continuing client's connect after applying `response`.
+    pub fn after(client_id: &str, response: &Value) -> ConnectBody {
+        let o = response.as_object().unwrap();
+        let mut known: Vec<(String, Option<String>)> = Vec::new();
+        let scopes = o["scopes"].as_object().unwrap();
+        if let Value::Array(add) = &scopes["add"] {
+            for a in add {
+                known.push((
+                    a.as_object().unwrap()["id"].as_str().unwrap().to_owned(),
+                    None,
+                ));
+            }
+        }
+        let schema = o["schema"].as_object().unwrap();
+        ConnectBody {
+            client_id: client_id.into(),
+            generation: Some(int(&o["client_generation"])),
+            schema: json::object([
+                ("version", schema["version"].clone()),
+                ("hash", schema["hash"].clone()),
+            ]),
+            scope_set_version: int(&o["scope_set_version"]),
+            known,
+            reset: false,
+            app_version: "1.2.0".into(),
+            protocol_version: 3,
+        }
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Value {
+        let mut o = json::Object::new();
+        o.insert("client_id".into(), Value::string(&self.client_id));
+        if let Some(g) = self.generation {
+            o.insert("client_generation".into(), Value::int(g as i64));
+        }
+        o.insert("platform".into(), Value::string("ios"));
+        o.insert("app_version".into(), Value::string(&self.app_version));
+        o.insert("protocol_version".into(), Value::int(self.protocol_version));
+        if self.reset {
+            o.insert("schema_reset".into(), Value::Bool(true));
+        }
+        o.insert("schema".into(), self.schema.clone());
+        o.insert(
+            "scope_set_version".into(),
+            Value::int(self.scope_set_version as i64),
+        );
+        let known = self.known.iter().map(|(s, c)| {
+            let cursor = c.as_ref().map_or(Value::Null, |c| Value::string(c.clone()));
+            (s.clone(), json::object([("cursor", cursor)]))
+        });
+        o.insert("known_scopes".into(), Value::Object(known.collect()));
+        Value::Object(o)
+    }
+}
+
+fn int(v: &Value) -> u64 {
+    match v {
+        Value::Number(n) => n.as_exact_i64().unwrap() as u64,
+        _ => panic!("not an integer: {v:?}"),
+    }
+}
+
+fn member<'a>(v: &'a Value, path: &[&str]) -> &'a Value {
+    let mut v = v;
+    for p in path {
+        v = v
+            .as_object()
+            .unwrap_or_else(|| panic!("{p}: not an object"))
+            .get(*p)
+            .unwrap_or_else(|| panic!("missing {p}"));
+    }
+    v
+}
+
+fn has(v: &Value, name: &str) -> bool {
+    v.as_object().unwrap().contains_key(name)
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    match v {
+        Value::Array(a) => a.iter().map(|s| s.as_str().unwrap().to_owned()).collect(),
+        _ => panic!("not an array"),
+    }
+}
+
+fn added(v: &Value) -> Vec<String> {
+    match member(v, &["scopes", "add"]) {
+        Value::Array(a) => a
+            .iter()
+            .map(|e| {
+                assert_eq!(
+                    member(e, &["cursor"]),
+                    &Value::Null,
+                    "additions have null cursors"
+                );
+                member(e, &["id"]).as_str().unwrap().to_owned()
+            })
+            .collect(),
+        _ => panic!(),
+    }
+}
+
+fn removed(v: &Value) -> Vec<String> {
+    strings(member(v, &["scopes", "remove"]))
+}
+
+fn action(v: &Value) -> &str {
+    member(v, &["schema", "action"]).as_str().unwrap()
+}
+
+/// Asserts the members every action requires and forbids.
+fn assert_action_shape(v: &Value) {
+    let schema = member(v, &["schema"]);
+    let (def, affected, reason) = (
+        has(v, "schema_definition"),
+        has(v, "affected_scopes"),
+        has(schema, "reason"),
+    );
+    match action(v) {
+        "none" => assert!(!def && !affected && !reason),
+        "replace" => assert!(def && !affected && !reason),
+        "rebuild_local" => assert!(
+            def && affected && !reason && !strings(member(v, &["affected_scopes"])).is_empty()
+        ),
+        "unsupported" => assert!(!def && !affected && reason),
+        other => panic!("unknown action {other}"),
+    }
+    if def {
+        let m = Manifest::from_json(member(v, &["schema_definition"]).clone()).unwrap();
+        assert_eq!(
+            Value::int(m.schema_version() as i64),
+            *member(schema, &["version"])
+        );
+        assert_eq!(Value::string(m.hash().to_hex()), *member(schema, &["hash"]));
+    }
+    assert_eq!(member(v, &["protocol_version"]), &Value::int(3));
+    assert!(has(v, "scope_cursor_updates") && has(v, "server_time"));
+}
+
+async fn ok(h: &mut impl Harness, user: &str, body: &ConnectBody) -> Value {
+    let (status, v) = h.connect(user, &body.to_json()).await;
+    assert_eq!(status, 200, "{}", json::to_canonical_string(&v));
+    assert_action_shape(&v);
+    v
+}
+
+async fn fails(h: &mut impl Harness, user: &str, body: &Value) -> (u16, String, Value) {
+    let (status, v) = h.connect(user, body).await;
+    let error = member(&v, &["error"]).clone();
+    let code = member(&error, &["code"]).as_str().unwrap().to_owned();
+    assert_eq!(error.as_object().unwrap()["retryable"], Value::Bool(false));
+    (status, code, error)
+}
+
+/// Every connect scenario of the wire spec's dispatch table and assignment rules.
+pub async fn connect_suite<F: HarnessFactory>(f: &F) {
+    fresh_client_gets_replace_then_none(f).await;
+    fresh_sentinel_rules(f).await;
+    compatibility_gates(f).await;
+    client_id_is_bound_to_its_user(f).await;
+    retired_clients(f).await;
+    class_2_history_gets_replace(f).await;
+    class_3_history(f).await;
+    unknown_and_class_4_lineage_is_unsupported(f).await;
+    explicit_reset(f).await;
+    assignment_changes_step_the_version_by_one(f).await;
+    generation_renewal(f).await;
+}
+
+async fn fresh_client_gets_replace_then_none<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    assert_eq!(action(&first), "replace");
+    assert_eq!(member(&first, &["client_generation"]), &Value::int(1));
+    assert_eq!(member(&first, &["scope_set_version"]), &Value::int(1));
+    assert_eq!(added(&first), ["templates_public", "user:alice"]);
+    assert!(removed(&first).is_empty());
+    assert_eq!(
+        json::to_canonical_string(member(&first, &["scope_cursor_updates"])),
+        "{}"
+    );
+    let time = member(&first, &["server_time"]).as_str().unwrap();
+    assert!(time.len() == 27 && time.ends_with('Z'), "{time}");
+    // The inline manifest is the example's.
+    let m = Manifest::from_json(member(&first, &["schema_definition"]).clone()).unwrap();
+    assert_eq!(m.tables().len(), 2);
+    assert_eq!(m.schema_version(), 1);
+
+    let again = ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await;
+    assert_eq!(action(&again), "none");
+    assert_eq!(member(&again, &["client_generation"]), &Value::int(1));
+    assert_eq!(member(&again, &["scope_set_version"]), &Value::int(1));
+    assert!(added(&again).is_empty() && removed(&again).is_empty());
+}
+
+async fn fresh_sentinel_rules<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    // Fresh sentinel paired with a generation.
+    let mut body = ConnectBody::fresh("c1");
+    body.generation = Some(1);
+    let (status, code, error) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
+    assert_eq!(
+        json::to_canonical_string(member(&error, &["received_schema"])),
+        r#"{"hash":"","version":0}"#
+    );
+    // Nothing was written: the same client can still register fresh.
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    // Fresh sentinel for a previously known identity.
+    let (status, code, _) = fails(&mut h, "alice", &ConnectBody::fresh("c1").to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
+    // A known identity that omits its generation.
+    let mut body = ConnectBody::after("c1", &first);
+    body.generation = None;
+    let (status, code, _) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
+    // A malformed reference.
+    let mut body = ConnectBody::after("c1", &first);
+    body.schema = json::parse(br#"{"version":1,"hash":"abc"}"#).unwrap();
+    let (status, code, _) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
+    // Sentinel with schema_reset.
+    let mut body = ConnectBody::fresh("c2");
+    body.reset = true;
+    let (status, code, _) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
+    // Other structural defects: invalid_request.
+    let mut v = ConnectBody::fresh("c3").to_json();
+    if let Value::Object(o) = &mut v {
+        o.insert("user_id".into(), Value::string("mallory"));
+    }
+    let (status, code, _) = fails(&mut h, "alice", &v).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_request"));
+}
+
+async fn compatibility_gates<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let mut body = ConnectBody::fresh("c1");
+    body.protocol_version = 2;
+    let (status, code, error) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (426, "upgrade_required"));
+    assert_eq!(
+        member(&error, &["required_protocol_version"]),
+        &Value::int(3)
+    );
+    assert_eq!(
+        member(&error, &["received_protocol_version"]),
+        &Value::int(2)
+    );
+    let mut body = ConnectBody::fresh("c1");
+    body.app_version = "0.9.9".into();
+    let (status, code, error) = fails(&mut h, "alice", &body.to_json()).await;
+    assert_eq!((status, code.as_str()), (426, "upgrade_required"));
+    assert_eq!(
+        member(&error, &["minimum_client_version"]),
+        &Value::string("1.0.0")
+    );
+    assert_eq!(
+        member(&error, &["received_client_version"]),
+        &Value::string("0.9.9")
+    );
+    // The gate comes before structural validation.
+    let mut v = body.to_json();
+    if let Value::Object(o) = &mut v {
+        o.remove("platform");
+    }
+    assert_eq!(fails(&mut h, "alice", &v).await.0, 426);
+}
+
+async fn client_id_is_bound_to_its_user<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    // Another user presenting alice's client_id: 401, before every other check.
+    let (status, code, _) = fails(&mut h, "bob", &ConnectBody::after("c1", &first).to_json()).await;
+    assert_eq!((status, code.as_str()), (401, "auth_required"));
+    let mut gated = ConnectBody::after("c1", &first);
+    gated.protocol_version = 2;
+    assert_eq!(fails(&mut h, "bob", &gated.to_json()).await.0, 401);
+    // Alice is unaffected.
+    assert_eq!(
+        action(&ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await),
+        "none"
+    );
+}
+
+async fn retired_clients<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    h.retire("c1").await;
+    let (status, code, _) =
+        fails(&mut h, "alice", &ConnectBody::after("c1", &first).to_json()).await;
+    assert_eq!((status, code.as_str()), (409, "client_retired"));
+    // A retired identity cannot be revived as fresh either.
+    let (status, _, _) = fails(&mut h, "alice", &ConnectBody::fresh("c1").to_json()).await;
+    assert_eq!(status, 409);
+    // The 426 gate precedes retirement.
+    let mut gated = ConnectBody::after("c1", &first);
+    gated.protocol_version = 4;
+    assert_eq!(fails(&mut h, "alice", &gated.to_json()).await.0, 426);
+}
+
+/// Adds a field to the notes table, in config text.
+fn add_notes_field(config: String, field: &str) -> String {
+    config.replace(
+        "  { field_id = \"fld_notes_pinned\"",
+        &format!("  {field},\n  {{ field_id = \"fld_notes_pinned\""),
+    )
+}
+
+async fn class_2_history_gets_replace<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    let v1 = ConnectBody::after("c1", &first);
+    h.restart(&example_config(|s| {
+        add_notes_field(s, r#"{ field_id = "fld_notes_color", column = "color", type = "string", nullable = true }"#)
+    }))
+    .await;
+    let mut with_cursor = v1.clone();
+    with_cursor.known[0].1 = Some("opaque-cursor".into());
+    let r = ok(&mut h, "alice", &with_cursor).await;
+    assert_eq!(action(&r), "replace");
+    assert_eq!(member(&r, &["schema", "version"]), &Value::int(2));
+    // The historical cursor cannot be carried over here, so it is invalidated.
+    let updates = json::to_canonical_string(member(&r, &["scope_cursor_updates"]));
+    assert_eq!(updates, format!(r#"{{"{}":null}}"#, with_cursor.known[0].0));
+    // The new manifest is the child of the old one.
+    let m = Manifest::from_json(member(&r, &["schema_definition"]).clone()).unwrap();
+    assert_eq!(
+        m.transition_class(),
+        protocol::manifest::TransitionClass::Class2
+    );
+    assert_eq!(
+        Some(m.parent_schema().unwrap().to_json()),
+        Some(v1.schema.clone())
+    );
+    // A restart with the same config adds no version.
+    h.restart(&example_config(|s| {
+        add_notes_field(s, r#"{ field_id = "fld_notes_color", column = "color", type = "string", nullable = true }"#)
+    }))
+    .await;
+    let again = ok(&mut h, "alice", &ConnectBody::after("c1", &r)).await;
+    assert_eq!(action(&again), "none");
+}
+
+async fn class_3_history<F: HarnessFactory>(f: &F) {
+    // A required new notes field needs rematerialization: alice's user scope is affected.
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    h.team_member("alice", "t1", true).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    assert_eq!(added(&first), ["team:t1", "templates_public", "user:alice"]);
+    h.restart(&example_config(|s| {
+        add_notes_field(
+            s,
+            r#"{ field_id = "fld_notes_rank", column = "rank", type = "int" }"#,
+        )
+    }))
+    .await;
+    let r = ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await;
+    assert_eq!(action(&r), "rebuild_local");
+    assert_eq!(
+        strings(member(&r, &["affected_scopes"])),
+        ["team:t1", "user:alice"]
+    );
+
+    // The same kind of change to templates, for a user not assigned templates_public: replace.
+    let no_shared = |s: String| s.replace(r#"shared = ["templates_public"]"#, "shared = []");
+    let mut h = f.fresh(&example_config(no_shared)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    assert_eq!(added(&first), ["user:alice"]);
+    h.restart(&example_config(|s| {
+        no_shared(s).replace(
+            r#"  { field_id = "fld_templates_body", column = "body", type = "string" },"#,
+            r#"  { field_id = "fld_templates_body", column = "body", type = "string" },
+  { field_id = "fld_templates_rank", column = "rank", type = "int" },"#,
+        )
+    }))
+    .await;
+    let r = ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await;
+    assert_eq!(action(&r), "replace");
+}
+
+async fn unknown_and_class_4_lineage_is_unsupported<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    let mut unknown = ConnectBody::after("c1", &first);
+    unknown.schema = json::object([
+        ("version", Value::int(1)),
+        ("hash", Value::string("ab".repeat(32))),
+    ]);
+    let r = ok(&mut h, "alice", &unknown).await;
+    assert_eq!(action(&r), "unsupported");
+    assert_eq!(
+        member(&r, &["schema", "reason"]),
+        &Value::string("unknown_schema_lineage")
+    );
+    // Removing a field is class 4.
+    h.restart(&example_config(|s| s.replace("  { field_id = \"fld_notes_pinned\", column = \"pinned\", type = \"boolean\", writable = true },\n", ""))).await;
+    let r = ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await;
+    assert_eq!(action(&r), "unsupported");
+    assert_eq!(
+        member(&r, &["schema", "reason"]),
+        &Value::string("incompatible_schema_transition")
+    );
+    assert_eq!(member(&r, &["schema", "version"]), &Value::int(2));
+}
+
+async fn explicit_reset<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    h.restart(&example_config(|s| s.replace("  { field_id = \"fld_notes_pinned\", column = \"pinned\", type = \"boolean\", writable = true },\n", ""))).await;
+    let mut reset = ConnectBody::after("c1", &first);
+    reset.reset = true;
+    let r = ok(&mut h, "alice", &reset).await;
+    assert_eq!(action(&r), "rebuild_local");
+    assert_eq!(
+        strings(member(&r, &["affected_scopes"])),
+        ["templates_public", "user:alice"]
+    );
+    // With no assigned scope, reset is replace.
+    let nothing = |s: String| {
+        s.replace(r#"shared = ["templates_public"]"#, "shared = []")
+            .replace(r#"user_scope = "user:{user_id}""#, r#"user_scope = """#)
+    };
+    let mut h = f.fresh(&example_config(nothing)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    assert!(added(&first).is_empty());
+    assert_eq!(member(&first, &["scope_set_version"]), &Value::int(0));
+    let mut reset = ConnectBody::after("c1", &first);
+    reset.reset = true;
+    assert_eq!(action(&ok(&mut h, "alice", &reset).await), "replace");
+}
+
+async fn assignment_changes_step_the_version_by_one<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let mut last = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    let mut known = ConnectBody::after("c1", &last);
+    let step = |h_last: &Value, body: &mut ConnectBody| {
+        for s in removed(h_last) {
+            body.known.retain(|(k, _)| *k != s);
+        }
+        for s in added(h_last) {
+            body.known.push((s, None));
+        }
+        body.scope_set_version = int(member(h_last, &["scope_set_version"]));
+    };
+    // Grant: +1 and added.
+    h.grant("alice", "project:p1", true).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(2));
+    assert_eq!(added(&last), ["project:p1"]);
+    step(&last, &mut known);
+    // No change: same version, empty delta.
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(2));
+    assert!(added(&last).is_empty() && removed(&last).is_empty());
+    // Revoke: +1 and removed.
+    h.grant("alice", "project:p1", false).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(3));
+    assert_eq!(removed(&last), ["project:p1"]);
+    step(&last, &mut known);
+    // Team membership through the dependency relation: +1.
+    h.team_member("alice", "t7", true).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(4));
+    assert_eq!(added(&last), ["team:t7"]);
+    step(&last, &mut known);
+    // A grant and a revoke at once are one change: +1.
+    h.grant("alice", "project:p2", true).await;
+    h.team_member("alice", "t7", false).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(5));
+    assert_eq!(added(&last), ["project:p2"]);
+    assert_eq!(removed(&last), ["team:t7"]);
+    // Another user's grant changes nothing for alice.
+    step(&last, &mut known);
+    h.grant("bob", "project:p3", true).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(5));
+    // A scope the client invented is removed, without a version step.
+    known.known.push(("project:invented".into(), None));
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(removed(&last), ["project:invented"]);
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(5));
+}
+
+async fn generation_renewal<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    let mut stale = ConnectBody::after("c1", &first);
+    stale.generation = Some(7); // not the current generation (1)
+    stale.known[0].1 = Some("opaque-cursor".into());
+    let r = ok(&mut h, "alice", &stale).await;
+    assert_eq!(member(&r, &["client_generation"]), &Value::int(8));
+    let updates = json::to_canonical_string(member(&r, &["scope_cursor_updates"]));
+    assert_eq!(updates, format!(r#"{{"{}":null}}"#, stale.known[0].0));
+    // The new generation is current from then on.
+    let next = ok(&mut h, "alice", &ConnectBody::after("c1", &r)).await;
+    assert_eq!(member(&next, &["client_generation"]), &Value::int(8));
+    // A restored client unknown to the server gets a newer generation than it presented.
+    let mut restored = ConnectBody::after("c2", &first);
+    restored.generation = Some(3);
+    let r = ok(&mut h, "alice", &restored).await;
+    assert_eq!(member(&r, &["client_generation"]), &Value::int(4));
+}
