@@ -34,7 +34,7 @@ fn ecmascript_number_to_string(x: f64) -> String {
     let rest = &exact_digits[k..];
     if rest.starts_with('5') && rest[1..].bytes().all(|b| b == b'0') {
         let truncated = &exact_digits[..k];
-        if truncated.as_bytes()[k - 1] % 2 == 0 {
+        if truncated.as_bytes()[k - 1].is_multiple_of(2) {
             digits = truncated.to_owned();
         } else {
             // Round the truncated digits up by one unit in the last place.
