@@ -574,3 +574,163 @@ async fn generation_renewal<F: HarnessFactory>(f: &F) {
     let r = ok(&mut h, "alice", &restored).await;
     assert_eq!(member(&r, &["client_generation"]), &Value::int(4));
 }
+
+/// A store whose operator-side tables the conformance suite can write.
+#[allow(async_fn_in_trait)]
+pub trait ConformanceStore: crate::store::Store {
+    /// Inserts a row of `synchro.scope_grants`.
+    async fn add_grant(&self, user: &str, scope: &str);
+    /// Inserts a row of the dependency relation `source`.
+    async fn add_dependency_row(
+        &self,
+        source: &crate::config::DependencyAssignment,
+        user: &str,
+        value: &str,
+    );
+}
+
+impl ConformanceStore for crate::store::MemStore {
+    async fn add_grant(&self, user: &str, scope: &str) {
+        self.grant(user, scope).await;
+    }
+
+    async fn add_dependency_row(
+        &self,
+        source: &crate::config::DependencyAssignment,
+        user: &str,
+        value: &str,
+    ) {
+        self.dependency_row(source, user, value, true).await;
+    }
+}
+
+/// The same operations on any store, with the same expected results.
+pub async fn store_suite<S: ConformanceStore>(store: &S) {
+    use std::collections::BTreeSet;
+
+    use protocol::ids::ScopeId;
+    use protocol::manifest::TransitionClass;
+
+    use crate::store::{ClientRecord, StoreError, StoreTx};
+
+    // Empty.
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.manifests().await.unwrap().is_empty());
+    assert_eq!(tx.lock_client("c1").await.unwrap(), None);
+    assert!(tx.grants("u1").await.unwrap().is_empty());
+    tx.commit().await.unwrap();
+
+    // Manifests: stored, listed in version order, byte-identical; versions only increase.
+    let tables = example_config(|s| s).table_manifests().unwrap();
+    let v1 = Manifest::new(1, None, TransitionClass::Initial, 1, tables.clone()).unwrap();
+    let v2 = Manifest::new(
+        2,
+        Some(v1.reference()),
+        TransitionClass::Class2,
+        1,
+        tables[..1].to_vec(),
+    )
+    .unwrap();
+    let mut tx = store.begin().await.unwrap();
+    tx.insert_manifest(&v1).await.unwrap();
+    tx.insert_manifest(&v2).await.unwrap();
+    assert!(matches!(
+        tx.insert_manifest(&v2).await,
+        Err(StoreError::Integrity(_))
+    ));
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.manifests().await.unwrap(), vec![v1.clone(), v2.clone()]);
+    drop(tx);
+
+    // A dropped transaction writes nothing.
+    let client = ClientRecord {
+        user_id: "u1".into(),
+        client_id: "c1".into(),
+        generation: 1,
+        retired: false,
+        installed_schema: Some(v1.reference()),
+        scope_set_version: 1,
+        assigned: ["user:u1", "b", "a"]
+            .iter()
+            .map(|s| ScopeId::parse(s).unwrap())
+            .collect(),
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.put_client(&client).await.unwrap();
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.lock_client("c1").await.unwrap(), None);
+    // A committed one is read back exactly, and replaced by a later put.
+    tx.put_client(&client).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.lock_client("c1").await.unwrap(), Some(client.clone()));
+    let changed = ClientRecord {
+        generation: 2,
+        retired: true,
+        installed_schema: None,
+        scope_set_version: 2,
+        assigned: BTreeSet::new(),
+        ..client.clone()
+    };
+    tx.put_client(&changed).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.lock_client("c1").await.unwrap(), Some(changed.clone()));
+    assert_eq!(
+        tx.lock_client("C1").await.unwrap(),
+        None,
+        "client IDs are exact"
+    );
+    tx.commit().await.unwrap();
+
+    // A locked client row serializes a second transaction behind the first.
+    let mut first = store.begin().await.unwrap();
+    let seen = first.lock_client("c1").await.unwrap().unwrap();
+    let second = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut tx = store.begin().await.unwrap();
+            let c = tx.lock_client("c1").await.unwrap().unwrap();
+            tx.commit().await.unwrap();
+            c.generation
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    first
+        .put_client(&ClientRecord {
+            generation: seen.generation + 1,
+            ..seen
+        })
+        .await
+        .unwrap();
+    first.commit().await.unwrap();
+    assert_eq!(
+        second.await.unwrap(),
+        3,
+        "the second transaction saw the first one's write"
+    );
+
+    // Grants and dependency rows are per user.
+    store.add_grant("u1", "project:b").await;
+    store.add_grant("u1", "project:a").await;
+    store.add_grant("u2", "project:c").await;
+    let source = example_config(|s| s).assignment.dependency[0].clone();
+    store.add_dependency_row(&source, "u1", "t1").await;
+    store.add_dependency_row(&source, "u1", "t2").await;
+    store.add_dependency_row(&source, "u2", "t3").await;
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.grants("u1").await.unwrap(), ["project:a", "project:b"]);
+    assert_eq!(tx.grants("u3").await.unwrap(), Vec::<String>::new());
+    let mut teams = tx.dependency_values(&source, "u1").await.unwrap();
+    teams.sort();
+    assert_eq!(teams, ["t1", "t2"]);
+    assert!(
+        tx.dependency_values(&source, "nobody")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    tx.commit().await.unwrap();
+}

@@ -67,3 +67,8 @@ impl HarnessFactory for MemFactory {
 async fn connect_on_memstore() {
     connect_suite(&MemFactory).await;
 }
+
+#[tokio::test]
+async fn store_conformance_on_memstore() {
+    actors::testkit::store_suite(&MemStore::new()).await;
+}
