@@ -625,3 +625,198 @@ mod example_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod validation_tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../../examples/notes/config.toml");
+
+    fn rejects(edit: impl Fn(String) -> String, expected: &str) {
+        let e = SyncConfig::from_toml(&edit(EXAMPLE.to_owned())).unwrap_err();
+        assert!(e.0.contains(expected), "expected `{expected}` in `{e}`");
+    }
+
+    #[test]
+    fn each_rule_gives_its_message() {
+        rejects(
+            |s| s.replace("table_id = \"tbl_templates\"", "table_id = \"tbl_notes\""),
+            "table tbl_notes: table_id is used twice",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "relation_id = \"rel_templates\"",
+                    "relation_id = \"rel_notes\"",
+                )
+            },
+            "table tbl_templates: relation_id `rel_notes` is used twice",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "relation = \"public.templates\"",
+                    "relation = \"templates\"",
+                )
+            },
+            "table tbl_templates: relation `templates` must be schema-qualified",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "field_id = \"fld_templates_name\"",
+                    "field_id = \"fld_templates_id\"",
+                )
+            },
+            "table tbl_templates: field_id `fld_templates_id` is used twice",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"name\", type = \"string\"",
+                    "column = \"id\", type = \"string\"",
+                )
+            },
+            "table tbl_templates: column `id` is synced twice",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"name\", type = \"string\"",
+                    "column = \"name\", type = \"text\"",
+                )
+            },
+            "table tbl_templates, column name: `text` is not a portable type",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"name\", type = \"string\"",
+                    "column = \"name\", type = \"decimal\"",
+                )
+            },
+            "table tbl_templates, column name: decimal needs precision > 0 and scale <= precision",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"name\", type = \"string\"",
+                    "column = \"name\", type = \"string\", precision = 3, scale = 1",
+                )
+            },
+            "only decimal fields take precision and scale",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "primary_key = \"id\"\nfields = [\n  { field_id = \"fld_templates_id\"",
+                    "primary_key = \"key\"\nfields = [\n  { field_id = \"fld_templates_id\"",
+                )
+            },
+            "table tbl_templates: primary key column `key` is not a synced field",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "{ field_id = \"fld_templates_id\", column = \"id\", type = \"string\" }",
+                    "{ field_id = \"fld_templates_id\", column = \"id\", type = \"float\" }",
+                )
+            },
+            "table tbl_templates: primary key column `id` must be a non-null string, int or int64",
+        );
+        rejects(
+            |s| {
+                s.replace("{ field_id = \"fld_templates_id\", column = \"id\", type = \"string\" }", "{ field_id = \"fld_templates_id\", column = \"id\", type = \"string\", nullable = true }")
+            },
+            "must be a non-null string, int or int64",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "deleted_at = \"deleted_at\" }",
+                    "deleted_at = \"gone_at\" }",
+                )
+            },
+            "table tbl_notes: lifecycle deleted_at column `gone_at` is not a synced field",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"deleted_at\", type = \"datetime\", nullable = true",
+                    "column = \"deleted_at\", type = \"datetime\"",
+                )
+            },
+            "table tbl_notes: lifecycle deleted_at column `deleted_at` must be nullable",
+        );
+        rejects(
+            |s| s.replace("owner_column = \"owner_id\"", "owner_column = \"author\""),
+            "table tbl_notes: owner_column `author` is not a synced field",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "{ template = \"user:{owner_id}\" }",
+                    "{ template = \"user:{author}\" }",
+                )
+            },
+            "table tbl_notes: scope template `user:{author}` uses `author`, not a synced column",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "scopes = [{ constant = \"templates_public\" }]",
+                    "scopes = []",
+                )
+            },
+            "table tbl_templates: at least one membership rule (scopes) is required",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "{ constant = \"templates_public\" }",
+                    "{ constant = \"t:{x}\" }",
+                )
+            },
+            "table tbl_templates: constant scope `t:{x}` must not have placeholders",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "column = \"id\", template = \"team:{team_id}\"",
+                    "column = \"nid\", template = \"team:{team_id}\"",
+                )
+            },
+            "table tbl_notes: dependency column `nid` is not a synced field",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "user_scope = \"user:{user_id}\"",
+                    "user_scope = \"user:{uid}\"",
+                )
+            },
+            "assignment.user_scope may use only the placeholder {user_id}",
+        );
+        rejects(
+            |s| s.replace("shared = [\"templates_public\"]", "shared = [\"t:{x}\"]"),
+            "assignment.shared scope `t:{x}` must not have placeholders",
+        );
+        rejects(
+            |s| s.replace("scope = \"team:{team_id}\"", "scope = \"team:{user_id}\""),
+            "assignment.dependency public.team_members: scope must use exactly the placeholder {team_id}",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "minimum_client_version = \"1.0.0\"",
+                    "minimum_client_version = \"1.0\"",
+                )
+            },
+            "server.minimum_client_version `1.0` is not SemVer 2.0.0",
+        );
+        rejects(
+            |s| s.replace("[server]", "[server]\ncolour = 1"),
+            "unknown field `colour`",
+        );
+    }
+}

@@ -156,6 +156,7 @@ pub async fn reconcile_schema<T: StoreTx>(
         .table_manifests()
         .map_err(|e| RegistryError::Config(e.0))?;
     let stored = tx.manifests().await?;
+    check_id_reuse(&stored, &tables).map_err(RegistryError::Config)?;
     let next = match stored.last() {
         None => Some(Manifest::new(1, None, TransitionClass::Initial, 1, tables)),
         Some(last) if last.tables() == tables.as_slice() => None,
@@ -187,6 +188,72 @@ pub async fn reconcile_schema<T: StoreTx>(
         manifests.push(m);
     }
     Ok(SchemaHistory::new(manifests)?)
+}
+
+/// Logical IDs are immutable: a table ID keeps its relation ID, a field ID
+/// stays in its table, and an ID that was removed never comes back.
+pub fn check_id_reuse(history: &[Manifest], tables: &[TableManifest]) -> Result<(), String> {
+    let Some(last) = history.last() else {
+        return Ok(());
+    };
+    for t in tables {
+        for m in history {
+            for old in m.tables() {
+                let v = m.schema_version();
+                if old.table_id() == t.table_id() && old.relation_id() != t.relation_id() {
+                    return Err(format!(
+                        "table {}: schema version {v} bound it to relation_id {}; IDs are never reused",
+                        t.table_id(),
+                        old.relation_id()
+                    ));
+                }
+                if old.table_id() != t.table_id() && old.relation_id() == t.relation_id() {
+                    return Err(format!(
+                        "table {}: relation_id {} belonged to table {} in schema version {v}; IDs are never reused",
+                        t.table_id(),
+                        t.relation_id(),
+                        old.table_id()
+                    ));
+                }
+                for f in t.fields() {
+                    if old.table_id() != t.table_id() && old.field(f.field_id()).is_some() {
+                        return Err(format!(
+                            "table {}, field {}: the field ID belonged to table {} in schema version {v}; IDs are never reused",
+                            t.table_id(),
+                            f.field_id(),
+                            old.table_id()
+                        ));
+                    }
+                }
+            }
+        }
+        // A removed table or field must not return.
+        let was_removed = |present_now: &dyn Fn(&Manifest) -> bool| {
+            let first = history.iter().position(|m| present_now(m));
+            first.is_some_and(|i| history[i..].iter().any(|m| !present_now(m)))
+        };
+        if was_removed(&|m: &Manifest| m.table(t.table_id()).is_some()) {
+            return Err(format!(
+                "table {}: the table ID was removed earlier; IDs are never reused",
+                t.table_id()
+            ));
+        }
+        for f in t.fields() {
+            let has = |m: &Manifest| {
+                m.table(t.table_id())
+                    .is_some_and(|o| o.field(f.field_id()).is_some())
+            };
+            let had_and_lost = was_removed(&has) || (history.iter().any(has) && !has(last));
+            if had_and_lost {
+                return Err(format!(
+                    "table {}, field {}: the field ID was removed earlier; IDs are never reused",
+                    t.table_id(),
+                    f.field_id()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Why the registry could not start.

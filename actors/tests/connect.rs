@@ -72,3 +72,56 @@ async fn connect_on_memstore() {
 async fn store_conformance_on_memstore() {
     actors::testkit::store_suite(&MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn ids_are_never_reused_across_versions() {
+    use actors::testkit::example_config;
+    let store = MemStore::new();
+    Engine::start(store.clone(), example_config(|s| s))
+        .await
+        .unwrap();
+    let start = |edit: fn(String) -> String| {
+        let store = store.clone();
+        async move {
+            Engine::start(store, example_config(edit))
+                .await
+                .err()
+                .map(|e| e.to_string())
+        }
+    };
+    let moved_field = start(|s| {
+        s.replace(
+            r#"{ field_id = "fld_templates_name", column = "name", type = "string" },"#,
+            r#"{ field_id = "fld_notes_title", column = "name", type = "string" },"#,
+        )
+    })
+    .await
+    .unwrap();
+    assert!(moved_field.contains("table tbl_templates, field fld_notes_title: the field ID belonged to table tbl_notes in schema version 1"), "{moved_field}");
+    let rebound = start(|s| {
+        s.replace(
+            "relation_id = \"rel_templates\"",
+            "relation_id = \"rel_templates_2\"",
+        )
+    })
+    .await
+    .unwrap();
+    assert!(
+        rebound.contains(
+            "table tbl_templates: schema version 1 bound it to relation_id rel_templates"
+        ),
+        "{rebound}"
+    );
+    // Remove a field (class 4), then try to bring its ID back.
+    let without = |s: String| {
+        s.replace("  { field_id = \"fld_notes_pinned\", column = \"pinned\", type = \"boolean\", writable = true },\n", "")
+    };
+    Engine::start(store.clone(), example_config(without))
+        .await
+        .unwrap();
+    let back = start(|s| s).await.unwrap();
+    assert!(
+        back.contains("table tbl_notes, field fld_notes_pinned: the field ID was removed earlier"),
+        "{back}"
+    );
+}
