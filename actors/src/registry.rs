@@ -229,7 +229,7 @@ pub fn check_id_reuse(history: &[Manifest], tables: &[TableManifest]) -> Result<
         }
         // A removed table or field must not return.
         let was_removed = |present_now: &dyn Fn(&Manifest) -> bool| {
-            let first = history.iter().position(|m| present_now(m));
+            let first = history.iter().position(present_now);
             first.is_some_and(|i| history[i..].iter().any(|m| !present_now(m)))
         };
         if was_removed(&|m: &Manifest| m.table(t.table_id()).is_some()) {
