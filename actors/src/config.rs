@@ -30,6 +30,9 @@ pub struct SyncConfig {
 pub struct ServerConfig {
     /// Connect answers 426 to an `app_version` that precedes this.
     pub minimum_client_version: Option<String>,
+    /// SQL run at every start before validation, for development schemas
+    /// (must be idempotent). A path relative to the config file.
+    pub bootstrap_sql: Option<String>,
 }
 
 /// How the adapter authenticates bearer credentials.

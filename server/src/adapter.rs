@@ -1,0 +1,148 @@
+//! The HTTP adapter: authenticate, apply transport gates (content type, body
+//! limit while reading), call the one engine function, forward its status
+//! and bytes. No protocol semantics live here.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use actors::{Engine, Reply};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use protocol::error::{ErrorKind, ProtocolError};
+use protocol::limits::MAX_BODY_OCTETS;
+
+use crate::auth::Authenticator;
+
+/// What every handler needs.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Engine,
+    pub auth: Arc<Authenticator>,
+}
+
+/// The routes of the wire spec that exist so far.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/sync/connect", post(connect))
+        .route("/ready", get(ready))
+        .route("/sync/schema", get(schema))
+        .route("/sync/tables", get(tables))
+        .layer(middleware::from_fn(access_log))
+        .with_state(state)
+}
+
+/// Logs method, path, status and latency: never headers, bodies or identities.
+async fn access_log(request: Request, next: Next) -> Response {
+    let (method, path, start) = (
+        request.method().clone(),
+        request.uri().path().to_owned(),
+        Instant::now(),
+    );
+    let response = next.run(request).await;
+    tracing::info!(%method, %path, status = response.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
+    response
+}
+
+fn now_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+fn respond(reply: Reply) -> Response {
+    let status = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, reply.body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(seconds) = reply.retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
+}
+
+fn reject(e: ProtocolError) -> Response {
+    respond(Reply::error(&e))
+}
+
+/// Whether the request declares a JSON body (`application/json`, parameters allowed).
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Steps 1 and the transport gates: the user, then a JSON body within the limit.
+async fn intake(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(String, Bytes), Response> {
+    let user = state
+        .auth
+        .authenticate(headers)
+        .ok_or_else(|| reject(ErrorKind::AuthRequired.into()))?;
+    if !is_json(headers) {
+        return Err(reject(ProtocolError::invalid_request(
+            "Content-Type must be application/json",
+        )));
+    }
+    // The limit is enforced while reading: a larger body is never buffered whole.
+    let bytes = axum::body::to_bytes(body, MAX_BODY_OCTETS)
+        .await
+        .map_err(|_| {
+            reject(ProtocolError::invalid_request(
+                "request body exceeds 1048576 octets",
+            ))
+        })?;
+    Ok((user, bytes))
+}
+
+async fn connect(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match intake(&state, &headers, body).await {
+        Ok((user, bytes)) => respond(
+            state
+                .engine
+                .connect(&user, bytes.to_vec(), now_micros())
+                .await,
+        ),
+        Err(response) => response,
+    }
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    let ready = state.engine.ready().await;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = if ready {
+        &br#"{"ready":true}"#[..]
+    } else {
+        &br#"{"ready":false}"#[..]
+    };
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+async fn schema(State(state): State<AppState>) -> Response {
+    respond(state.engine.schema().await)
+}
+
+async fn tables(State(state): State<AppState>) -> Response {
+    respond(state.engine.tables().await)
+}

@@ -1,0 +1,6 @@
+//! The HTTP adapter and the pieces of the `synchro` binary.
+#![cfg(not(madsim))]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod adapter;
+pub mod auth;

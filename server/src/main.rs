@@ -1,0 +1,185 @@
+//! `synchro`: run the server, or print a development bearer token.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actors::Engine;
+use actors::config::{AuthConfig, SyncConfig};
+use clap::{Parser, Subcommand};
+use server::adapter::{AppState, router};
+use server::auth::{Authenticator, dev_token, hs256_secret};
+use sqlx::postgres::PgConnectOptions;
+use store_pg::cluster::PgCluster;
+use store_pg::{PgStore, catalog};
+
+#[derive(Parser)]
+#[command(
+    name = "synchro",
+    version,
+    about = "A server for the Synchro offline-first sync protocol, version 3"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the server. Without --database-url it starts a private PostgreSQL under --data-dir.
+    Serve {
+        /// The sync config (TOML).
+        #[arg(long, default_value = "synchro.toml")]
+        config: PathBuf,
+        /// The listen address; keep it private (loopback or a private network behind a TLS proxy).
+        #[arg(long, default_value = "127.0.0.1:8787")]
+        listen: SocketAddr,
+        /// An existing PostgreSQL database (wal_level = logical) instead of the embedded one.
+        #[arg(long)]
+        database_url: Option<String>,
+        /// Where the embedded PostgreSQL keeps its data.
+        #[arg(long, default_value = ".synchro")]
+        data_dir: PathBuf,
+    },
+    /// Prints a bearer token for USER that a local server (auth mode hs256) accepts.
+    Token {
+        #[arg(long)]
+        user: String,
+        #[arg(long, default_value = "synchro.toml")]
+        config: PathBuf,
+    },
+}
+
+fn load_config(path: &Path) -> Result<SyncConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    SyncConfig::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Token { user, config } => token(&user, &config),
+        Command::Serve {
+            config,
+            listen,
+            database_url,
+            data_dir,
+        } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .init();
+            match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(serve(&config, listen, database_url, &data_dir)),
+                Err(e) => Err(format!("cannot start the runtime: {e}")),
+            }
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("synchro: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn token(user: &str, config: &Path) -> Result<(), String> {
+    let config = load_config(config)?;
+    let AuthConfig::Hs256 { secret_file } = &config.auth else {
+        return Err("synchro token works only with auth mode hs256".into());
+    };
+    let secret = hs256_secret(Path::new(secret_file))?;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    println!("{}", dev_token(&secret, user, now)?);
+    Ok(())
+}
+
+async fn serve(
+    config_path: &Path,
+    listen: SocketAddr,
+    database_url: Option<String>,
+    data_dir: &Path,
+) -> Result<(), String> {
+    let config = load_config(config_path)?;
+    // The embedded cluster lives as long as this function; dropping it stops PostgreSQL.
+    let (_cluster, options) = match database_url {
+        Some(url) => (
+            None,
+            PgConnectOptions::from_str(&url).map_err(|e| format!("--database-url: {e}"))?,
+        ),
+        None => {
+            let dir = data_dir.join("pg");
+            let cluster = tokio::task::spawn_blocking(move || PgCluster::start(&dir))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("embedded PostgreSQL: {e}"))?;
+            let options = cluster.connect_options("postgres");
+            println!(
+                "synchro: embedded PostgreSQL at {}",
+                cluster.url("postgres")
+            );
+            (Some(cluster), options)
+        }
+    };
+    let store = PgStore::connect(options)
+        .await
+        .map_err(|e| format!("database: {e}"))?;
+    catalog::check_server(store.pool())
+        .await
+        .map_err(|p| format!("the database is not ready:\n  {}", p.join("\n  ")))?;
+    if let Some(sql) = &config.server.bootstrap_sql {
+        let path = config_path.parent().unwrap_or(Path::new(".")).join(sql);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("bootstrap_sql {}: {e}", path.display()))?;
+        sqlx::raw_sql(&text)
+            .execute(store.pool())
+            .await
+            .map_err(|e| format!("bootstrap_sql {}: {e}", path.display()))?;
+    }
+    catalog::validate(store.pool(), &config)
+        .await
+        .map_err(|p| {
+            format!(
+                "the config does not match the database:\n  {}",
+                p.join("\n  ")
+            )
+        })?;
+    let auth = Authenticator::from_config(&config.auth)?;
+    let engine = Engine::start(store, config.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| format!("{listen}: {e}"))?;
+    println!(
+        "synchro: listening on http://{}",
+        listener.local_addr().map_err(|e| e.to_string())?
+    );
+    if let AuthConfig::Hs256 { .. } = config.auth {
+        println!(
+            "synchro: get a dev token with: cargo run -p server -- token --user <user-id> --config {}",
+            config_path.display()
+        );
+    }
+    let app = router(AppState {
+        engine,
+        auth: Arc::new(auth),
+    });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+}
