@@ -16,8 +16,8 @@ const DEV_TOKEN_SECONDS: u64 = 30 * 24 * 3600;
 /// Resolves a request's user.
 pub enum Authenticator {
     Hs256 {
-        key: DecodingKey,
-        validation: Validation,
+        key: Box<DecodingKey>,
+        validation: Box<Validation>,
     },
     Static {
         users_by_token: HashMap<String, String>,
@@ -91,8 +91,8 @@ impl Authenticator {
                 let mut validation = Validation::new(Algorithm::HS256);
                 validation.set_required_spec_claims(&["exp", "sub"]);
                 Authenticator::Hs256 {
-                    key: DecodingKey::from_secret(&secret),
-                    validation,
+                    key: Box::new(DecodingKey::from_secret(&secret)),
+                    validation: Box::new(validation),
                 }
             }
             AuthConfig::StaticTokens { tokens_file } => {

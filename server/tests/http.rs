@@ -1,0 +1,372 @@
+//! The adapter over real HTTP against a throwaway PostgreSQL cluster: the
+//! shared connect suite on PgStore, the transport gates, readiness, and a
+//! check that logs hold no credential, identity or body.
+#![cfg(not(madsim))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use actors::Engine;
+use actors::config::{AuthConfig, SyncConfig};
+use actors::testkit::{ConnectBody, Harness, HarnessFactory, connect_suite, example_config};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use protocol::json::{self, Value};
+use server::adapter::{AppState, router};
+use server::auth::{Authenticator, dev_token, hs256_secret};
+use store_pg::PgStore;
+use store_pg::cluster::PgCluster;
+use tokio::task::JoinHandle;
+
+const EXAMPLE_SCHEMA: &str = include_str!("../../examples/notes/schema.sql");
+
+/// One HTTP/1.1 request; the status, headers and body.
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> (u16, hyper::HeaderMap, Vec<u8>) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let response = sender
+        .send_request(req.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, headers, body)
+}
+
+struct Server {
+    addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+async fn start_server(store: PgStore, config: &SyncConfig, auth: Arc<Authenticator>) -> Server {
+    let engine = Engine::start(store, config.clone()).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = router(AppState { engine, auth });
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    Server { addr, task }
+}
+
+struct Http {
+    store: PgStore,
+    server: Server,
+    auth: Arc<Authenticator>,
+    secret: Vec<u8>,
+}
+
+impl Http {
+    fn token(&self, user: &str) -> String {
+        dev_token(
+            &self.secret,
+            user,
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs(),
+        )
+        .unwrap()
+    }
+
+    async fn exec(&self, sql: &str, a: &str, b: &str) {
+        sqlx::query(sql)
+            .bind(a)
+            .bind(b)
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+    }
+}
+
+impl Harness for Http {
+    async fn connect(&mut self, user: &str, body: &Value) -> (u16, Value) {
+        let auth = format!("Bearer {}", self.token(user));
+        let headers = [
+            ("authorization", auth.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let (status, h, body) = request(
+            self.server.addr,
+            "POST",
+            "/sync/connect",
+            &headers,
+            json::to_canonical(body),
+        )
+        .await;
+        assert_eq!(h.get("content-type").unwrap(), "application/json");
+        (status, json::parse(&body).unwrap())
+    }
+
+    async fn restart(&mut self, config: &SyncConfig) {
+        self.server.task.abort();
+        self.server = start_server(self.store.clone(), config, self.auth.clone()).await;
+    }
+
+    async fn grant(&mut self, user: &str, scope: &str, on: bool) {
+        let sql = if on {
+            "INSERT INTO synchro.scope_grants (user_id, scope_id) VALUES ($1, $2)"
+        } else {
+            "DELETE FROM synchro.scope_grants WHERE user_id = $1 AND scope_id = $2"
+        };
+        self.exec(sql, user, scope).await;
+    }
+
+    async fn team_member(&mut self, user: &str, team: &str, on: bool) {
+        let sql = if on {
+            "INSERT INTO public.team_members (user_id, team_id) VALUES ($1, $2)"
+        } else {
+            "DELETE FROM public.team_members WHERE user_id = $1 AND team_id = $2"
+        };
+        self.exec(sql, user, team).await;
+    }
+
+    async fn retire(&mut self, client_id: &str) {
+        sqlx::query("UPDATE synchro.clients SET retired = true WHERE client_id = $1")
+            .bind(client_id)
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+    }
+}
+
+struct HttpFactory {
+    cluster: PgCluster,
+    databases: AtomicUsize,
+    auth: Arc<Authenticator>,
+    secret: Vec<u8>,
+}
+
+impl HttpFactory {
+    fn new(secret_dir: &std::path::Path) -> HttpFactory {
+        let secret_file = secret_dir.join("hs256.secret").display().to_string();
+        let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+        let auth =
+            Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+        HttpFactory {
+            cluster: PgCluster::temp().unwrap(),
+            databases: AtomicUsize::new(0),
+            auth,
+            secret,
+        }
+    }
+}
+
+impl HarnessFactory for HttpFactory {
+    type H = Http;
+
+    async fn fresh(&self, config: &SyncConfig) -> Http {
+        let n = self.databases.fetch_add(1, Ordering::Relaxed);
+        let store = PgStore::connect(
+            self.cluster
+                .create_database(&format!("h{n}"))
+                .await
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+        sqlx::raw_sql(EXAMPLE_SCHEMA)
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let server = start_server(store.clone(), config, self.auth.clone()).await;
+        Http {
+            store,
+            server,
+            auth: self.auth.clone(),
+            secret: self.secret.clone(),
+        }
+    }
+}
+
+/// Captures log output.
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn error_code(body: &[u8]) -> (String, Value) {
+    let v = json::parse(body).unwrap();
+    let e = v.as_object().unwrap()["error"].clone();
+    (
+        e.as_object().unwrap()["code"].as_str().unwrap().to_owned(),
+        e,
+    )
+}
+
+// One runtime thread, so the log subscriber set below sees every task.
+#[tokio::test(flavor = "current_thread")]
+async fn http_against_postgres() {
+    let logs = LogBuffer::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let secrets = tempfile::tempdir().unwrap();
+    let factory = HttpFactory::new(secrets.path());
+
+    // Every connect scenario, over HTTP, on PostgreSQL.
+    connect_suite(&factory).await;
+
+    // Transport gates.
+    let h = factory.fresh(&example_config(|s| s)).await;
+    let addr = h.server.addr;
+    let body = json::to_canonical(&ConnectBody::fresh("client-9b2e").to_json());
+    let token = h.token("user-7f3a");
+    let bearer = format!("Bearer {token}");
+    for headers in [
+        vec![("content-type", "application/json")],
+        vec![
+            ("authorization", "Bearer not-a-jwt"),
+            ("content-type", "application/json"),
+        ],
+        vec![
+            ("authorization", token.as_str()),
+            ("content-type", "application/json"),
+        ],
+        vec![
+            ("authorization", "Basic dXNlcjpwdw=="),
+            ("content-type", "application/json"),
+        ],
+        vec![("content-type", "text/plain")], // authentication comes first
+    ] {
+        let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, body.clone()).await;
+        assert_eq!(
+            (status, error_code(&b).0.as_str()),
+            (401, "auth_required"),
+            "{headers:?}"
+        );
+    }
+    for content_type in [None, Some("text/plain"), Some("application/jsonx")] {
+        let mut headers = vec![("authorization", bearer.as_str())];
+        headers.extend(content_type.map(|c| ("content-type", c)));
+        let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, body.clone()).await;
+        assert_eq!(
+            (status, error_code(&b).0.as_str()),
+            (400, "invalid_request"),
+            "{content_type:?}"
+        );
+    }
+    let headers = [
+        ("authorization", bearer.as_str()),
+        ("content-type", "application/json; charset=utf-8"),
+    ];
+    let (status, _, _) = request(addr, "POST", "/sync/connect", &headers, body.clone()).await;
+    assert_eq!(status, 200);
+    // The body limit, enforced while reading.
+    let mut big = body.clone();
+    big.truncate(big.len() - 1);
+    big.extend(std::iter::repeat_n(b' ', 1_048_577 - big.len() - 1));
+    big.push(b'}');
+    assert_eq!(big.len(), 1_048_577);
+    let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, big.clone()).await;
+    assert_eq!(
+        (status, error_code(&b).0.as_str()),
+        (400, "invalid_request")
+    );
+    big.truncate(1_048_576 - 1);
+    big.push(b'}');
+    // Exactly at the limit the body is read and parsed: the engine answers (this
+    // client is already known, so the fresh sentinel is refused).
+    let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, big).await;
+    assert_eq!(
+        (status, error_code(&b).0.as_str()),
+        (400, "invalid_schema_reference")
+    );
+
+    // Operator routes.
+    let (status, h1, b) = request(addr, "GET", "/ready", &[], vec![]).await;
+    assert_eq!(
+        (
+            status,
+            b.as_slice(),
+            h1.get("content-type").unwrap().to_str().unwrap()
+        ),
+        (200, &br#"{"ready":true}"#[..], "application/json")
+    );
+    let (status, _, b) = request(addr, "GET", "/sync/schema", &[], vec![]).await;
+    assert_eq!(status, 200);
+    let m = protocol::manifest::Manifest::from_json(json::parse(&b).unwrap()).unwrap();
+    assert_eq!(m.tables().len(), 2);
+    let (status, _, b) = request(addr, "GET", "/sync/tables", &[], vec![]).await;
+    assert_eq!(status, 200);
+    assert!(
+        String::from_utf8(b)
+            .unwrap()
+            .contains(r#""relation":"public.notes""#)
+    );
+
+    // A lost database: 503 temporary_unavailable with Retry-After, and not ready.
+    let lost = PgCluster::temp().unwrap();
+    let store = PgStore::connect(lost.create_database("gone").await.unwrap())
+        .await
+        .unwrap();
+    sqlx::raw_sql(EXAMPLE_SCHEMA)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let server = start_server(store, &example_config(|s| s), h.auth.clone()).await;
+    lost.stop();
+    let (status, headers_out, b) =
+        request(server.addr, "POST", "/sync/connect", &headers, body.clone()).await;
+    let (code, e) = error_code(&b);
+    assert_eq!((status, code.as_str()), (503, "temporary_unavailable"));
+    assert_eq!(e.as_object().unwrap()["retryable"], Value::Bool(true));
+    assert_eq!(headers_out.get("retry-after").unwrap(), "5");
+    let (status, _, b) = request(server.addr, "GET", "/ready", &[], vec![]).await;
+    assert_eq!((status, b.as_slice()), (503, &br#"{"ready":false}"#[..]));
+    h.server.task.abort();
+
+    // Logs: request lines, and nothing sensitive.
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(text.contains("path=/sync/connect status=200"), "{text}");
+    for secret in [
+        token.as_str(),
+        "user-7f3a",
+        "client-9b2e",
+        "alice",
+        "ios-device",
+        "opaque-cursor",
+    ] {
+        assert!(!text.contains(secret), "the logs contain `{secret}`");
+    }
+}
