@@ -435,8 +435,18 @@ impl<S: Store> Registry<S> {
                 "a known client identity must present its generation and installed schema",
             )
         };
+        // An identity is known once it has presented a generation and installed
+        // schema (its record then holds that schema). Until then, the identical
+        // fresh request is the retry of a first connect whose response was lost:
+        // it answers again with the same generation (docs/adr/0003).
+        let fresh_retry = req.client_generation.is_none()
+            && req.schema == ConnectSchema::Fresh
+            && existing
+                .as_ref()
+                .is_some_and(|c| c.installed_schema.is_none());
         // A known identity must present its generation and a real installed schema.
         if existing.is_some()
+            && !fresh_retry
             && (req.client_generation.is_none() || req.schema == ConnectSchema::Fresh)
         {
             return Err(sentinel_misuse());
@@ -446,7 +456,7 @@ impl<S: Store> Registry<S> {
             (None, None) => Ok((fresh_record(1), false)),
             // A continuing client the server does not know (restored elsewhere): a newer generation.
             (None, Some(presented)) => Ok((fresh_record(next_counter(presented)?), true)),
-            (Some(c), None) => Ok((c, false)), // excluded above
+            (Some(c), None) => Ok((c, false)), // the retry of a fresh first connect
             (Some(c), Some(presented)) if presented == c.generation => Ok((c, false)),
             // Stale or unknown generation: renew above both.
             (Some(mut c), Some(presented)) => {

@@ -277,7 +277,18 @@ async fn fresh_sentinel_rules<F: HarnessFactory>(f: &F) {
     );
     // Nothing was written: the same client can still register fresh.
     let first = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
-    // Fresh sentinel for a previously known identity.
+    // The identical fresh request again (its response was lost): the same answer, no new generation.
+    let retry = ok(&mut h, "alice", &ConnectBody::fresh("c1")).await;
+    assert_eq!(action(&retry), "replace");
+    assert_eq!(member(&retry, &["client_generation"]), &Value::int(1));
+    assert_eq!(
+        member(&retry, &["scope_set_version"]),
+        member(&first, &["scope_set_version"])
+    );
+    assert_eq!(added(&retry), added(&first));
+    // Once the client has presented its generation, the identity is known:
+    // the fresh sentinel is refused.
+    ok(&mut h, "alice", &ConnectBody::after("c1", &first)).await;
     let (status, code, _) = fails(&mut h, "alice", &ConnectBody::fresh("c1").to_json()).await;
     assert_eq!((status, code.as_str()), (400, "invalid_schema_reference"));
     // A known identity that omits its generation.

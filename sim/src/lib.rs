@@ -1,0 +1,285 @@
+//! Deterministic simulation of synchro under madsim: the real `Engine` on a
+//! `MemStore`, on a server node that crashes and restarts, with client nodes
+//! connecting over a lossy link. One seed fixes everything.
+//!
+//! Build and run only with `RUSTFLAGS="--cfg madsim"` (see docs/TESTING.md).
+#![cfg(madsim)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test harness fails loudly
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actors::Engine;
+use actors::store::MemStore;
+use actors::testkit::{ConnectBody, example_config};
+use invariants::ConnectObservation;
+use madsim::net::{Endpoint, NetSim};
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use madsim::time::{TimeHandle, sleep};
+use protocol::json::{self, Value};
+
+const SERVER: &str = "10.0.0.1:7000";
+const REQUEST: u64 = 1;
+const RESPONSE: u64 = 2;
+/// Largest datagram either side accepts.
+const MAX_FRAME: usize = 1 << 20;
+
+/// Knobs of one simulated run.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    pub clients: usize,
+    pub users: usize,
+    pub connects_per_client: usize,
+    pub packet_loss: f64,
+    pub server_crashes: bool,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Scenario {
+            clients: 6,
+            users: 3,
+            connects_per_client: 12,
+            packet_loss: 0.15,
+            server_crashes: true,
+        }
+    }
+}
+
+/// What a run recorded.
+#[derive(Clone, Debug, Default)]
+pub struct Trace {
+    pub connects: Vec<ConnectObservation>,
+    /// Faults and operator actions, in order, for the determinism check and debugging.
+    pub events: Vec<String>,
+    /// Requests sent again because no answer came in time.
+    pub retries: usize,
+    /// Server crashes (each followed by a restart).
+    pub crashes: usize,
+}
+
+/// `request_id || user_len || user || body`.
+fn encode_request(id: u64, user: &str, body: &[u8]) -> Vec<u8> {
+    let mut f = id.to_be_bytes().to_vec();
+    f.extend_from_slice(&(user.len() as u32).to_be_bytes());
+    f.extend_from_slice(user.as_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+fn decode_request(f: &[u8]) -> Option<(u64, String, Vec<u8>)> {
+    let id = u64::from_be_bytes(f.get(..8)?.try_into().ok()?);
+    let n = u32::from_be_bytes(f.get(8..12)?.try_into().ok()?) as usize;
+    let user = String::from_utf8(f.get(12..12 + n)?.to_vec()).ok()?;
+    Some((id, user, f.get(12 + n..)?.to_vec()))
+}
+
+/// `request_id || status || body`.
+fn encode_response(id: u64, status: u16, body: &[u8]) -> Vec<u8> {
+    let mut f = id.to_be_bytes().to_vec();
+    f.extend_from_slice(&status.to_be_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+fn decode_response(f: &[u8]) -> Option<(u64, u16, Vec<u8>)> {
+    let id = u64::from_be_bytes(f.get(..8)?.try_into().ok()?);
+    let status = u16::from_be_bytes(f.get(8..10)?.try_into().ok()?);
+    Some((id, status, f.get(10..)?.to_vec()))
+}
+
+fn now_micros() -> i64 {
+    let t = TimeHandle::current().now_time();
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// The server node's program: the real engine behind a datagram endpoint.
+async fn server_main(store: MemStore) {
+    let engine = Engine::start(store, example_config(|s| s))
+        .await
+        .expect("the registry starts");
+    let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
+    let mut buf = vec![0u8; MAX_FRAME];
+    loop {
+        let Ok((n, from)) = ep.recv_from(REQUEST, &mut buf).await else {
+            continue;
+        };
+        let Some((id, user, body)) = decode_request(&buf[..n]) else {
+            continue;
+        };
+        let (engine, ep) = (engine.clone(), ep.clone());
+        madsim::task::spawn(async move {
+            let reply = engine.connect(&user, body, now_micros()).await;
+            let _ = ep
+                .send_to(
+                    from,
+                    RESPONSE,
+                    &encode_response(id, reply.status, &reply.body),
+                )
+                .await;
+        });
+    }
+}
+
+/// Applies a 200 connect response to the client's next request.
+fn advance(body: &mut ConnectBody, response: &Value) {
+    let o = response.as_object().expect("object");
+    let scopes = o["scopes"].as_object().expect("scopes");
+    if let Value::Array(remove) = &scopes["remove"] {
+        let gone: BTreeSet<&str> = remove.iter().filter_map(Value::as_str).collect();
+        body.known.retain(|(s, _)| !gone.contains(s.as_str()));
+    }
+    if let Value::Array(add) = &scopes["add"] {
+        for a in add {
+            let id = a.as_object().expect("add")["id"]
+                .as_str()
+                .expect("id")
+                .to_owned();
+            body.known.push((id, None));
+        }
+    }
+    let schema = o["schema"].as_object().expect("schema");
+    if schema["action"].as_str() != Some("unsupported") {
+        body.schema = json::object([
+            ("version", schema["version"].clone()),
+            ("hash", schema["hash"].clone()),
+        ]);
+    }
+    if let Value::Number(n) = &o["client_generation"] {
+        body.generation = n.as_exact_i64().map(|g| g as u64);
+    }
+    if let Value::Number(n) = &o["scope_set_version"] {
+        body.scope_set_version = n.as_exact_i64().unwrap_or(0) as u64;
+    }
+}
+
+/// One client node's program: sequential connects, each retried until answered.
+async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mutex<Trace>>) {
+    let ep = Endpoint::bind("0.0.0.0:0").await.expect("bind");
+    let server: SocketAddr = SERVER.parse().expect("address");
+    let client_id = format!("client-{index}");
+    let mut body = ConnectBody::fresh(&client_id);
+    let mut buf = vec![0u8; MAX_FRAME];
+    let mut next_id = (index as u64) << 32;
+    for _ in 0..connects {
+        next_id += 1;
+        let request = encode_request(next_id, &user, &json::to_canonical(&body.to_json()));
+        // Retry the identical request until its response arrives (lost requests and responses).
+        let (status, response) = loop {
+            let _ = ep.send_to(server, REQUEST, &request).await;
+            let deadline = sleep(Duration::from_millis(500));
+            tokio::pin!(deadline);
+            let answer = loop {
+                tokio::select! {
+                    _ = &mut deadline => break None,
+                    got = ep.recv_from(RESPONSE, &mut buf) => {
+                        let Ok((n, _)) = got else { continue };
+                        match decode_response(&buf[..n]) {
+                            Some((id, status, b)) if id == next_id => break Some((status, b)),
+                            _ => continue, // a late answer to an earlier try
+                        }
+                    }
+                }
+            };
+            if let Some(a) = answer {
+                break a;
+            }
+            trace.lock().expect("trace").retries += 1;
+        };
+        let known = body.known.iter().map(|(s, _)| s.clone()).collect();
+        trace
+            .lock()
+            .expect("trace")
+            .connects
+            .push(ConnectObservation {
+                client_id: client_id.clone(),
+                known,
+                status,
+                body: response.clone(),
+            });
+        if status == 200 {
+            advance(
+                &mut body,
+                &json::parse(&response).expect("200 bodies are JSON"),
+            );
+        }
+        let pause = thread_rng().gen_range(10..200);
+        sleep(Duration::from_millis(pause)).await;
+    }
+}
+
+/// Runs `scenario` under the current seed and returns what it recorded.
+pub async fn run(scenario: Scenario) -> Trace {
+    let handle = Handle::current();
+    let store = MemStore::new();
+    let trace = Arc::new(Mutex::new(Trace::default()));
+    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
+
+    let server = {
+        let store = store.clone();
+        handle
+            .create_node()
+            .name("server")
+            .ip("10.0.0.1".parse().expect("ip"))
+            .init(move || server_main(store.clone()))
+            .build()
+    };
+    sleep(Duration::from_millis(50)).await;
+
+    let mut clients = Vec::new();
+    for i in 0..scenario.clients {
+        let user = format!("user-{}", i % scenario.users);
+        let (trace, connects) = (trace.clone(), scenario.connects_per_client);
+        let node = handle
+            .create_node()
+            .name(format!("client-{i}"))
+            .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
+            .build();
+        clients.push(node.spawn(client_main(i, user, connects, trace)));
+    }
+
+    // Faults and operator actions while the clients run.
+    let faults = {
+        let (store, trace, handle) = (store.clone(), trace.clone(), handle.clone());
+        let (users, crashes) = (scenario.users, scenario.server_crashes);
+        madsim::task::spawn(async move {
+            // The first fault is always a crash, so every seed exercises a restart.
+            let mut first = true;
+            loop {
+                sleep(Duration::from_millis(thread_rng().gen_range(100..600))).await;
+                let roll: u32 = if std::mem::take(&mut first) {
+                    0
+                } else {
+                    thread_rng().gen_range(0..10)
+                };
+                let user = format!("user-{}", thread_rng().gen_range(0..users));
+                let scope = format!("project:p{}", thread_rng().gen_range(0..3));
+                let event = if roll < 2 && crashes {
+                    handle.kill("server");
+                    sleep(Duration::from_millis(thread_rng().gen_range(50..400))).await;
+                    handle.restart("server");
+                    trace.lock().expect("trace").crashes += 1;
+                    "server crash and restart".to_owned()
+                } else if roll < 6 {
+                    store.grant(&user, &scope).await;
+                    format!("grant {scope} to {user}")
+                } else {
+                    store.revoke(&user, &scope).await;
+                    format!("revoke {scope} from {user}")
+                };
+                trace.lock().expect("trace").events.push(event);
+            }
+        })
+    };
+    for c in clients {
+        c.await.expect("client");
+    }
+    faults.abort();
+    let _ = server;
+    let t = trace.lock().expect("trace").clone();
+    t
+}

@@ -1,0 +1,42 @@
+//! Connect under lost requests, lost responses, server crashes and
+//! assignment changes. Run with:
+//! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim MADSIM_TEST_SEED=1 MADSIM_TEST_NUM=32 cargo test -p sim`
+#![cfg(madsim)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use sim::{Scenario, run};
+
+#[madsim::test]
+async fn connect_under_faults() {
+    let seed = madsim::runtime::Handle::current().seed();
+    let trace = run(Scenario::default()).await;
+    // The faults happened: the server crashed and messages were lost.
+    assert!(
+        trace.crashes >= 1 && trace.retries >= 1,
+        "crashes {} retries {}",
+        trace.crashes,
+        trace.retries
+    );
+    let scenario = Scenario::default();
+    assert_eq!(
+        trace.connects.len(),
+        scenario.clients * scenario.connects_per_client,
+        "every connect was answered"
+    );
+    if let Err(violations) = invariants::check_connects(&trace.connects) {
+        panic!(
+            "{} invariant violation(s), first: {}\nreproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test connect",
+            violations.len(),
+            violations[0]
+        );
+    }
+    // Every non-200 answer here would be a protocol error the clients did not provoke.
+    for o in &trace.connects {
+        assert_eq!(
+            o.status,
+            200,
+            "unexpected error: {}",
+            String::from_utf8_lossy(&o.body)
+        );
+    }
+}
