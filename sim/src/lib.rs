@@ -280,6 +280,5 @@ pub async fn run(scenario: Scenario) -> Trace {
     }
     faults.abort();
     let _ = server;
-    let t = trace.lock().expect("trace").clone();
-    t
+    trace.lock().expect("trace").clone()
 }
