@@ -559,11 +559,26 @@ async fn assignment_changes_step_the_version_by_one<F: HarnessFactory>(f: &F) {
     h.grant("bob", "project:p3", true).await;
     last = ok(&mut h, "alice", &known).await;
     assert_eq!(member(&last, &["scope_set_version"]), &Value::int(5));
+    // A shared scope dropped from the config: removed, one step.
+    h.restart(&example_config(|s| {
+        s.replace(r#"shared = ["templates_public"]"#, "shared = []")
+    }))
+    .await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(6));
+    assert_eq!(removed(&last), ["templates_public"]);
+    step(&last, &mut known);
+    // And added back: one more step.
+    h.restart(&example_config(|s| s)).await;
+    last = ok(&mut h, "alice", &known).await;
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(7));
+    assert_eq!(added(&last), ["templates_public"]);
+    step(&last, &mut known);
     // A scope the client invented is removed, without a version step.
     known.known.push(("project:invented".into(), None));
     last = ok(&mut h, "alice", &known).await;
     assert_eq!(removed(&last), ["project:invented"]);
-    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(5));
+    assert_eq!(member(&last, &["scope_set_version"]), &Value::int(7));
 }
 
 async fn generation_renewal<F: HarnessFactory>(f: &F) {
