@@ -11,9 +11,10 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actors::Engine;
+pub mod remote;
+
 use actors::store::MemStore;
-use actors::testkit::{ConnectBody, example_config};
+use actors::testkit::ConnectBody;
 use invariants::ConnectObservation;
 use madsim::net::{Endpoint, NetSim};
 use madsim::rand::{Rng, thread_rng};
@@ -43,7 +44,7 @@ impl Default for Scenario {
             clients: 6,
             users: 3,
             connects_per_client: 12,
-            packet_loss: 0.15,
+            packet_loss: 0.05,
             server_crashes: true,
         }
     }
@@ -59,6 +60,8 @@ pub struct Trace {
     pub retries: usize,
     /// Server crashes (each followed by a restart).
     pub crashes: usize,
+    /// Answers `503 temporary_unavailable` (the database did not answer in time).
+    pub unavailable: usize,
 }
 
 /// `request_id || user_len || user || body`.
@@ -97,11 +100,11 @@ fn now_micros() -> i64 {
         .map_or(0, |d| d.as_micros() as i64)
 }
 
-/// The server node's program: the real engine behind a datagram endpoint.
-async fn server_main(store: MemStore) {
-    let engine = Engine::start(store, example_config(|s| s))
-        .await
-        .expect("the registry starts");
+/// The server node's program: the real engine, on the database node's store,
+/// behind a datagram endpoint.
+async fn server_main() {
+    let incarnation: u32 = thread_rng().r#gen();
+    let engine = remote::start_engine(remote::RemoteStore::new(incarnation as u64)).await;
     let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
     let mut buf = vec![0u8; MAX_FRAME];
     loop {
@@ -165,7 +168,8 @@ async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mut
     let mut body = ConnectBody::fresh(&client_id);
     let mut buf = vec![0u8; MAX_FRAME];
     let mut next_id = (index as u64) << 32;
-    for _ in 0..connects {
+    let mut done = 0;
+    while done < connects {
         next_id += 1;
         let request = encode_request(next_id, &user, &json::to_canonical(&body.to_json()));
         // Retry the identical request until its response arrives (lost requests and responses).
@@ -190,6 +194,18 @@ async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mut
             }
             trace.lock().expect("trace").retries += 1;
         };
+        if status == 503 {
+            // Retryable: the identical request again after a pause; not a new connect.
+            let error = String::from_utf8_lossy(&response);
+            assert!(
+                error.contains(r#""code":"temporary_unavailable""#)
+                    && error.contains(r#""retryable":true"#),
+                "a 503 must be retryable temporary_unavailable: {error}"
+            );
+            trace.lock().expect("trace").unavailable += 1;
+            sleep(Duration::from_millis(200)).await;
+            continue;
+        }
         let known = body.known.iter().map(|(s, _)| s.clone()).collect();
         trace
             .lock()
@@ -201,6 +217,7 @@ async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mut
                 status,
                 body: response.clone(),
             });
+        done += 1;
         if status == 200 {
             advance(
                 &mut body,
@@ -219,15 +236,21 @@ pub async fn run(scenario: Scenario) -> Trace {
     let trace = Arc::new(Mutex::new(Trace::default()));
     NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
 
-    let server = {
+    let database = {
         let store = store.clone();
         handle
             .create_node()
-            .name("server")
-            .ip("10.0.0.1".parse().expect("ip"))
-            .init(move || server_main(store.clone()))
+            .name("database")
+            .ip("10.0.0.2".parse().expect("ip"))
+            .init(move || remote::database_main(store.clone()))
             .build()
     };
+    let server = handle
+        .create_node()
+        .name("server")
+        .ip("10.0.0.1".parse().expect("ip"))
+        .init(server_main)
+        .build();
     sleep(Duration::from_millis(50)).await;
 
     let mut clients = Vec::new();
@@ -258,7 +281,7 @@ pub async fn run(scenario: Scenario) -> Trace {
                 };
                 let user = format!("user-{}", thread_rng().gen_range(0..users));
                 let scope = format!("project:p{}", thread_rng().gen_range(0..3));
-                let event = if roll < 2 && crashes {
+                let event = if roll < 1 && crashes {
                     handle.kill("server");
                     sleep(Duration::from_millis(thread_rng().gen_range(50..400))).await;
                     handle.restart("server");
@@ -279,6 +302,6 @@ pub async fn run(scenario: Scenario) -> Trace {
         c.await.expect("client");
     }
     faults.abort();
-    let _ = server;
+    let _ = (server, database);
     trace.lock().expect("trace").clone()
 }

@@ -10,6 +10,14 @@ use sim::{Scenario, run};
 async fn connect_under_faults() {
     let seed = madsim::runtime::Handle::current().seed();
     let trace = run(Scenario::default()).await;
+    eprintln!(
+        "stats: crashes {} retries {} unavailable {} connects {} elapsed {:?}",
+        trace.crashes,
+        trace.retries,
+        trace.unavailable,
+        trace.connects.len(),
+        madsim::time::TimeHandle::current().elapsed()
+    );
     // The faults happened: the server crashed and messages were lost.
     assert!(
         trace.crashes >= 1 && trace.retries >= 1,

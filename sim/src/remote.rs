@@ -1,0 +1,308 @@
+//! The database as its own node: a `Store` whose every operation is a
+//! message over the simulated network to a node that holds the `MemStore`.
+//! Lost messages become `StoreError::Unavailable`. A transaction whose owner
+//! went silent (crashed server, lost commit) is rolled back by the database
+//! after an idle timeout, as PostgreSQL does when a connection dies. A lost
+//! commit reply is a commit-unknown result.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use actors::config::DependencyAssignment;
+use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
+use madsim::net::Endpoint;
+use madsim::time::{Instant, sleep, timeout};
+use protocol::manifest::Manifest;
+use tokio::sync::mpsc;
+
+/// Where the database node listens.
+pub const DATABASE: &str = "10.0.0.2:7001";
+const DB_REQUEST: u64 = 11;
+const DB_REPLY: u64 = 12;
+/// How long the server waits for one database answer.
+const ANSWER_TIMEOUT: Duration = Duration::from_millis(300);
+/// How long the database keeps a silent transaction open. A live owner sends
+/// its next operation within one round trip; an owner that gave up (after
+/// `ANSWER_TIMEOUT`) or crashed is rolled back soon after.
+const IDLE_TIMEOUT: Duration = Duration::from_millis(400);
+
+/// One operation inside a transaction.
+enum Op {
+    Manifests,
+    InsertManifest(Manifest),
+    LockClient(String),
+    PutClient(ClientRecord),
+    Grants(String),
+    DependencyValues(DependencyAssignment, String),
+    Commit,
+}
+
+enum Answer {
+    Manifests(Result<Vec<Manifest>, StoreError>),
+    Unit(Result<(), StoreError>),
+    Client(Result<Option<ClientRecord>, StoreError>),
+    Strings(Result<Vec<String>, StoreError>),
+}
+
+enum Request {
+    /// `give_up_at`: when the caller stops waiting (a lock timeout, in database terms).
+    Begin {
+        id: u64,
+        give_up_at: Instant,
+    },
+    Op {
+        id: u64,
+        seq: u64,
+        op: Op,
+    },
+}
+
+struct Reply {
+    seq: u64,
+    answer: Option<Answer>, // `None` answers Begin
+}
+
+/// The database node's program.
+pub async fn database_main(store: MemStore) {
+    let ep = Arc::new(Endpoint::bind(DATABASE).await.expect("bind"));
+    let mut open: BTreeMap<u64, mpsc::UnboundedSender<(u64, Op, SocketAddr)>> = BTreeMap::new();
+    loop {
+        let Ok((payload, from)) = ep.recv_from_raw(DB_REQUEST).await else {
+            continue;
+        };
+        let Ok(request) = payload.downcast::<Request>() else {
+            continue;
+        };
+        match *request {
+            Request::Begin { id, give_up_at } => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                open.retain(|_, s| !s.is_closed());
+                open.insert(id, tx);
+                madsim::task::spawn(transaction(store.clone(), ep.clone(), from, give_up_at, rx));
+            }
+            Request::Op { id, seq, op } => {
+                if let Some(s) = open.get(&id) {
+                    let _ = s.send((seq, op, from));
+                }
+            }
+        }
+    }
+}
+
+/// One transaction on the database node: begins, serves operations in order,
+/// and rolls back when its owner stays silent.
+async fn transaction(
+    store: MemStore,
+    ep: Arc<Endpoint>,
+    owner: SocketAddr,
+    give_up_at: Instant,
+    mut ops: mpsc::UnboundedReceiver<(u64, Op, SocketAddr)>,
+) {
+    // A begin that gets the lock after its caller gave up is abandoned at once,
+    // so stale begins cannot queue up and hold the lock in turn.
+    let wait = give_up_at.saturating_duration_since(Instant::now());
+    let Ok(Ok(mut tx)) = timeout(wait, store.begin()).await else {
+        return;
+    };
+    let _ = ep
+        .send_to_raw(
+            owner,
+            DB_REPLY,
+            Box::new(Reply {
+                seq: 0,
+                answer: None,
+            }),
+        )
+        .await;
+    loop {
+        let Ok(Some((seq, op, from))) = timeout(IDLE_TIMEOUT, ops.recv()).await else {
+            return; // dropped: rolled back
+        };
+        let (answer, done) = match op {
+            Op::Manifests => (Answer::Manifests(tx.manifests().await), false),
+            Op::InsertManifest(m) => (Answer::Unit(tx.insert_manifest(&m).await), false),
+            Op::LockClient(c) => (Answer::Client(tx.lock_client(&c).await), false),
+            Op::PutClient(c) => (Answer::Unit(tx.put_client(&c).await), false),
+            Op::Grants(u) => (Answer::Strings(tx.grants(&u).await), false),
+            Op::DependencyValues(d, u) => {
+                (Answer::Strings(tx.dependency_values(&d, &u).await), false)
+            }
+            Op::Commit => (Answer::Unit(Ok(())), true),
+        };
+        if done {
+            let result = tx.commit().await;
+            let _ = ep
+                .send_to_raw(
+                    from,
+                    DB_REPLY,
+                    Box::new(Reply {
+                        seq,
+                        answer: Some(Answer::Unit(result)),
+                    }),
+                )
+                .await;
+            return;
+        }
+        let _ = ep
+            .send_to_raw(
+                from,
+                DB_REPLY,
+                Box::new(Reply {
+                    seq,
+                    answer: Some(answer),
+                }),
+            )
+            .await;
+    }
+}
+
+/// The server side: a `Store` over the network.
+#[derive(Clone)]
+pub struct RemoteStore {
+    next_id: Arc<AtomicU64>,
+}
+
+impl RemoteStore {
+    /// A store that talks to [`DATABASE`]; `node` keeps transaction IDs of
+    /// different server incarnations apart.
+    pub fn new(node: u64) -> RemoteStore {
+        RemoteStore {
+            next_id: Arc::new(AtomicU64::new(node << 40)),
+        }
+    }
+}
+
+/// A transaction held open on the database node.
+pub struct RemoteTx {
+    ep: Endpoint,
+    id: u64,
+    seq: u64,
+}
+
+fn lost() -> StoreError {
+    StoreError::Unavailable("the database did not answer".into())
+}
+
+async fn answer(ep: &Endpoint, seq: u64) -> Result<Option<Answer>, StoreError> {
+    let wait = async {
+        loop {
+            let Ok((payload, _)) = ep.recv_from_raw(DB_REPLY).await else {
+                continue;
+            };
+            if let Ok(reply) = payload.downcast::<Reply>()
+                && reply.seq == seq
+            {
+                return reply.answer;
+            }
+        }
+    };
+    timeout(ANSWER_TIMEOUT, wait).await.map_err(|_| lost())
+}
+
+impl Store for RemoteStore {
+    type Tx = RemoteTx;
+
+    async fn begin(&self) -> Result<RemoteTx, StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        let give_up_at = Instant::now() + ANSWER_TIMEOUT;
+        ep.send_to_raw(db, DB_REQUEST, Box::new(Request::Begin { id, give_up_at }))
+            .await
+            .map_err(|_| lost())?;
+        answer(&ep, 0).await?;
+        Ok(RemoteTx { ep, id, seq: 0 })
+    }
+}
+
+impl RemoteTx {
+    async fn call(&mut self, op: Op) -> Result<Answer, StoreError> {
+        self.seq += 1;
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        let request = Request::Op {
+            id: self.id,
+            seq: self.seq,
+            op,
+        };
+        self.ep
+            .send_to_raw(db, DB_REQUEST, Box::new(request))
+            .await
+            .map_err(|_| lost())?;
+        answer(&self.ep, self.seq).await?.ok_or_else(lost)
+    }
+}
+
+fn mismatch() -> StoreError {
+    StoreError::Integrity("the database answered another operation".into())
+}
+
+impl StoreTx for RemoteTx {
+    async fn manifests(&mut self) -> Result<Vec<Manifest>, StoreError> {
+        match self.call(Op::Manifests).await? {
+            Answer::Manifests(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn insert_manifest(&mut self, m: &Manifest) -> Result<(), StoreError> {
+        match self.call(Op::InsertManifest(m.clone())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
+        match self.call(Op::LockClient(client_id.to_owned())).await? {
+            Answer::Client(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
+        match self.call(Op::PutClient(c.clone())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn grants(&mut self, user_id: &str) -> Result<Vec<String>, StoreError> {
+        match self.call(Op::Grants(user_id.to_owned())).await? {
+            Answer::Strings(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn dependency_values(
+        &mut self,
+        source: &DependencyAssignment,
+        user_id: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        match self
+            .call(Op::DependencyValues(source.clone(), user_id.to_owned()))
+            .await?
+        {
+            Answer::Strings(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn commit(mut self) -> Result<(), StoreError> {
+        match self.call(Op::Commit).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+}
+
+/// Keeps retrying until the engine starts (the database may be unreachable for a while).
+pub async fn start_engine(store: RemoteStore) -> actors::Engine {
+    loop {
+        match actors::Engine::start(store.clone(), actors::testkit::example_config(|s| s)).await {
+            Ok(engine) => return engine,
+            Err(_) => sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
