@@ -5,7 +5,7 @@
 //! so concurrent connects of one client serialize and a failed connect
 //! writes nothing.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use protocol::error::{ErrorKind, ProtocolError};
@@ -601,6 +601,3 @@ fn next_counter(n: u64) -> Result<u64, ProtocolError> {
     }
     Ok(n + 1)
 }
-
-/// The scope-cursor map type connect answers with.
-pub type CursorUpdates = BTreeMap<ScopeId, Option<String>>;

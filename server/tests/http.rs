@@ -18,11 +18,9 @@ use hyper_util::rt::TokioIo;
 use protocol::json::{self, Value};
 use server::adapter::{AppState, router};
 use server::auth::{Authenticator, dev_token, hs256_secret};
-use store_pg::PgStore;
 use store_pg::cluster::PgCluster;
+use store_pg::{PgStore, example_store};
 use tokio::task::JoinHandle;
-
-const EXAMPLE_SCHEMA: &str = include_str!("../../examples/notes/schema.sql");
 
 /// One HTTP/1.1 request; the status, headers and body.
 async fn request(
@@ -184,18 +182,7 @@ impl HarnessFactory for HttpFactory {
 
     async fn fresh(&self, config: &SyncConfig) -> Http {
         let n = self.databases.fetch_add(1, Ordering::Relaxed);
-        let store = PgStore::connect(
-            self.cluster
-                .create_database(&format!("h{n}"))
-                .await
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-        sqlx::raw_sql(EXAMPLE_SCHEMA)
-            .execute(store.pool())
-            .await
-            .unwrap();
+        let store = example_store(&self.cluster, &format!("h{n}")).await;
         let server = start_server(store.clone(), config, self.auth.clone()).await;
         Http {
             store,
@@ -334,13 +321,7 @@ async fn http_against_postgres() {
 
     // A lost database: 503 temporary_unavailable with Retry-After, and not ready.
     let lost = PgCluster::temp().unwrap();
-    let store = PgStore::connect(lost.create_database("gone").await.unwrap())
-        .await
-        .unwrap();
-    sqlx::raw_sql(EXAMPLE_SCHEMA)
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let store = example_store(&lost, "gone").await;
     let server = start_server(store, &example_config(|s| s), h.auth.clone()).await;
     lost.stop();
     let (status, headers_out, b) =

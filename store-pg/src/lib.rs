@@ -241,6 +241,24 @@ impl StoreTx for PgTx {
     }
 }
 
+/// A new database in `cluster` holding the example app's tables, with the store on it.
+#[cfg(feature = "testkit")]
+pub async fn example_store(cluster: &cluster::PgCluster, name: &str) -> PgStore {
+    let store = PgStore::connect(
+        cluster
+            .create_database(name)
+            .await
+            .expect("create database"),
+    )
+    .await
+    .expect("connect");
+    sqlx::raw_sql(include_str!("../../examples/notes/schema.sql"))
+        .execute(store.pool())
+        .await
+        .expect("example schema");
+    store
+}
+
 #[cfg(feature = "testkit")]
 impl actors::testkit::ConformanceStore for PgStore {
     async fn add_grant(&self, user: &str, scope: &str) {

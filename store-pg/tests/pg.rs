@@ -6,27 +6,14 @@
 use actors::config::SyncConfig;
 use actors::testkit::{EXAMPLE_CONFIG, example_config, store_suite};
 use store_pg::cluster::PgCluster;
-use store_pg::{PgStore, catalog};
-
-const EXAMPLE_SCHEMA: &str = include_str!("../../examples/notes/schema.sql");
-
-async fn example_db(cluster: &PgCluster, name: &str) -> PgStore {
-    let store = PgStore::connect(cluster.create_database(name).await.unwrap())
-        .await
-        .unwrap();
-    sqlx::raw_sql(EXAMPLE_SCHEMA)
-        .execute(store.pool())
-        .await
-        .unwrap();
-    store
-}
+use store_pg::{PgStore, catalog, example_store};
 
 #[tokio::test]
 async fn pgstore() {
     let cluster = PgCluster::temp().unwrap();
 
     // The conformance suite, on the same operations as MemStore.
-    let store = example_db(&cluster, "conformance").await;
+    let store = example_store(&cluster, "conformance").await;
     store_suite(&store).await;
 
     // The cluster runs with logical decoding available.
@@ -63,7 +50,7 @@ async fn rejects(store: &PgStore, edit: impl Fn(String) -> String, expected: &st
 }
 
 async fn catalog_validation(cluster: &PgCluster) {
-    let store = example_db(cluster, "catalog").await;
+    let store = example_store(cluster, "catalog").await;
     assert_eq!(
         problems(&store, &example_config(|s| s)).await,
         Vec::<String>::new()
