@@ -451,6 +451,13 @@ impl<S: Store> Registry<S> {
         {
             return Err(sentinel_misuse());
         }
+        // No server issues the largest portable integer (counters stop before it),
+        // so presenting it is a malformed request, not an overflow to report as 500.
+        if req.client_generation == Some(MAX_SAFE_INTEGER) {
+            return Err(ProtocolError::invalid_request(
+                "client_generation was never issued",
+            ));
+        }
         match (existing, req.client_generation) {
             // A fresh local client: first generation.
             (None, None) => Ok((fresh_record(1), false)),

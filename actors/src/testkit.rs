@@ -594,6 +594,11 @@ async fn generation_renewal<F: HarnessFactory>(f: &F) {
     // The new generation is current from then on.
     let next = ok(&mut h, "alice", &ConnectBody::after("c1", &r)).await;
     assert_eq!(member(&next, &["client_generation"]), &Value::int(8));
+    // The largest portable integer was never issued: 400, not an overflow.
+    let mut never = ConnectBody::after("c1", &r);
+    never.generation = Some(9_007_199_254_740_991);
+    let (status, code, _) = fails(&mut h, "alice", &never.to_json()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_request"));
     // A restored client unknown to the server gets a newer generation than it presented.
     let mut restored = ConnectBody::after("c2", &first);
     restored.generation = Some(3);
