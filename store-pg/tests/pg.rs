@@ -18,6 +18,20 @@ async fn pgstore() {
 
     // The cluster runs with logical decoding available.
     catalog::check_server(store.pool()).await.unwrap();
+    // A role without privileges is told exactly what it lacks.
+    sqlx::raw_sql("CREATE ROLE weak LOGIN").execute(store.pool()).await.unwrap();
+    let weak = sqlx::postgres::PgPoolOptions::new()
+        .connect_with(cluster.connect_options("conformance").username("weak"))
+        .await
+        .unwrap();
+    let problems = catalog::check_server(&weak).await.unwrap_err();
+    assert_eq!(
+        problems,
+        [
+            "the role lacks CREATE on the database (needed for schema synchro)",
+            "the role lacks the REPLICATION attribute (needed for logical decoding)",
+        ]
+    );
 
     // Migrations are idempotent: connecting again applies nothing new.
     let again = PgStore::connect(cluster.connect_options("conformance"))
