@@ -12,6 +12,7 @@
 
 pub mod catalog;
 pub mod cluster;
+pub mod pgoutput;
 
 use std::collections::BTreeSet;
 

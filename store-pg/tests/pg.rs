@@ -19,7 +19,10 @@ async fn pgstore() {
     // The cluster runs with logical decoding available.
     catalog::check_server(store.pool()).await.unwrap();
     // A role without privileges is told exactly what it lacks.
-    sqlx::raw_sql("CREATE ROLE weak LOGIN").execute(store.pool()).await.unwrap();
+    sqlx::raw_sql("CREATE ROLE weak LOGIN")
+        .execute(store.pool())
+        .await
+        .unwrap();
     let weak = sqlx::postgres::PgPoolOptions::new()
         .connect_with(cluster.connect_options("conformance").username("weak"))
         .await
@@ -215,4 +218,120 @@ async fn catalog_validation(cluster: &PgCluster) {
         "table tbl_notes: dependency relation public.note_shares has no column nid",
     )
     .await;
+}
+
+/// Every message a real pgoutput slot produces decodes, with the expected shape.
+#[tokio::test]
+async fn pgoutput_from_a_real_slot() {
+    use store_pg::pgoutput::{Message, TupleValue, decode};
+
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "capture").await;
+    let pool = store.pool();
+    // One statement (or explicit transaction) per call: four source transactions.
+    for sql in [
+        "CREATE PUBLICATION synchro_test FOR TABLE public.notes, public.templates",
+        "SELECT pg_create_logical_replication_slot('synchro_test', 'pgoutput')",
+        "INSERT INTO public.templates (id, name, body) VALUES ('t1', 'Squat', 'é€😀')",
+        "BEGIN;
+           UPDATE public.templates SET body = 'b2' WHERE id = 't1';
+           SELECT pg_logical_emit_message(true, 'synchro.fence', 'fence-1');
+           INSERT INTO public.notes (id, owner_id, title) VALUES ('018f2b5e-7c42-7a1d-9d31-8a95bd674001', 'alice', 'x');
+         COMMIT;",
+        "DELETE FROM public.templates WHERE id = 't1'",
+        "TRUNCATE public.templates",
+    ] {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+    }
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT data FROM pg_logical_slot_peek_binary_changes('synchro_test', NULL, NULL,
+           'proto_version', '1', 'publication_names', 'synchro_test', 'messages', 'true')",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let messages: Vec<Message> = rows.iter().map(|m| decode(m).unwrap()).collect();
+    let kinds: String = messages
+        .iter()
+        .map(|m| match m {
+            Message::Begin { .. } => 'B',
+            Message::Commit { .. } => 'C',
+            Message::Relation { .. } => 'R',
+            Message::Insert { .. } => 'I',
+            Message::Update { .. } => 'U',
+            Message::Delete { .. } => 'D',
+            Message::Truncate { .. } => 'T',
+            Message::LogicalMessage { .. } => 'M',
+            Message::Type { .. } | Message::Origin { .. } => '?',
+        })
+        .collect();
+    // Four transactions; a relation is described before its first row and
+    // before a truncate; the transactional message arrives inside its
+    // transaction, in order.
+    assert_eq!(kinds, "BRICBUMRICBDCBRTC");
+    let Message::Relation {
+        namespace,
+        name,
+        replica_identity,
+        columns,
+        ..
+    } = &messages[1]
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (namespace.as_str(), name.as_str(), *replica_identity),
+        ("public", "templates", b'd')
+    );
+    let names: Vec<(&str, bool)> = columns.iter().map(|c| (c.name.as_str(), c.key)).collect();
+    assert_eq!(names, [("id", true), ("name", false), ("body", false)]);
+    let Message::Insert { new, .. } = &messages[2] else {
+        panic!()
+    };
+    assert_eq!(new[2], TupleValue::Text("é€😀".as_bytes().to_vec()));
+    let Message::LogicalMessage {
+        transactional,
+        prefix,
+        content,
+        ..
+    } = &messages[6]
+    else {
+        panic!()
+    };
+    assert!(*transactional);
+    assert_eq!(
+        (prefix.as_str(), content.as_slice()),
+        ("synchro.fence", &b"fence-1"[..])
+    );
+    // Replica identity default: an update without a key change sends no old tuple,
+    // and a delete sends only the key.
+    let Message::Update { old, new, .. } = &messages[5] else {
+        panic!()
+    };
+    assert_eq!((old, &new[2]), (&None, &TupleValue::Text(b"b2".to_vec())));
+    let Message::Delete { old, .. } = &messages[11] else {
+        panic!()
+    };
+    assert_eq!(
+        (&old[0], &old[1]),
+        (&TupleValue::Text(b"t1".to_vec()), &TupleValue::Null)
+    );
+    // Commit LSNs increase, and each commit matches its begin.
+    let mut last = 0;
+    let mut begun = 0;
+    for m in &messages {
+        match m {
+            Message::Begin { final_lsn, .. } => begun = *final_lsn,
+            Message::Commit {
+                commit_lsn,
+                end_lsn,
+                ..
+            } => {
+                assert_eq!(*commit_lsn, begun);
+                assert!(*commit_lsn > last && end_lsn > commit_lsn);
+                last = *commit_lsn;
+            }
+            _ => {}
+        }
+    }
 }
