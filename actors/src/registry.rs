@@ -375,14 +375,23 @@ impl<S: Store> Registry<S> {
             client.scope_set_version = next_counter(client.scope_set_version)?;
             client.assigned = authoritative.clone();
         }
+        // Seed receipts name scopes the client holds from a portable seed. Their
+        // format (ADR 005) is not available here, so every receipt is
+        // unverifiable: an assigned seeded scope is added with a null cursor
+        // (rebuild), and an unassigned one is removed (docs/adr/0003).
         let known: BTreeSet<&ScopeId> = req.known_scopes.keys().collect();
+        let held: BTreeSet<&ScopeId> = known
+            .iter()
+            .copied()
+            .chain(req.seed_receipts.keys())
+            .collect();
         let scopes = AssignmentDelta {
             add: authoritative
                 .iter()
                 .filter(|s| !known.contains(s))
                 .map(|s| (s.clone(), None))
                 .collect(),
-            remove: known
+            remove: held
                 .iter()
                 .filter(|s| !authoritative.contains(s))
                 .map(|s| (*s).clone())
@@ -394,7 +403,11 @@ impl<S: Store> Registry<S> {
         let scope_cursor_updates = req
             .known_scopes
             .iter()
-            .filter(|(s, cursor)| cursors_stale && cursor.is_some() && authoritative.contains(*s))
+            .filter(|(s, cursor)| {
+                let stale =
+                    (cursors_stale && cursor.is_some()) || req.seed_receipts.contains_key(*s);
+                stale && authoritative.contains(*s)
+            })
             .map(|(s, _)| (s.clone(), None))
             .collect();
         client.installed_schema = match req.schema {

@@ -51,6 +51,8 @@ pub struct ConnectBody {
     pub reset: bool,
     pub app_version: String,
     pub protocol_version: i64,
+    /// `seed_receipts` (omitted when empty).
+    pub seed_receipts: Vec<(String, String)>,
 }
 
 impl ConnectBody {
@@ -65,6 +67,7 @@ impl ConnectBody {
             reset: false,
             app_version: "1.2.0".into(),
             protocol_version: 3,
+            seed_receipts: Vec::new(),
         }
     }
 
@@ -94,6 +97,7 @@ impl ConnectBody {
             reset: false,
             app_version: "1.2.0".into(),
             protocol_version: 3,
+            seed_receipts: Vec::new(),
         }
     }
 
@@ -120,6 +124,13 @@ impl ConnectBody {
             (s.clone(), json::object([("cursor", cursor)]))
         });
         o.insert("known_scopes".into(), Value::Object(known.collect()));
+        if !self.seed_receipts.is_empty() {
+            let receipts = self
+                .seed_receipts
+                .iter()
+                .map(|(s, r)| (s.clone(), Value::string(r.clone())));
+            o.insert("seed_receipts".into(), Value::Object(receipts.collect()));
+        }
         Value::Object(o)
     }
 }
@@ -225,6 +236,7 @@ async fn fails(h: &mut impl Harness, user: &str, body: &Value) -> (u16, String, 
 
 /// Every connect scenario of the wire spec's dispatch table and assignment rules.
 pub async fn connect_suite<F: HarnessFactory>(f: &F) {
+    seed_receipts_are_unverifiable(f).await;
     fresh_client_gets_replace_then_none(f).await;
     fresh_sentinel_rules(f).await;
     compatibility_gates(f).await;
@@ -764,4 +776,32 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
             .is_empty()
     );
     tx.commit().await.unwrap();
+}
+
+async fn seed_receipts_are_unverifiable<F: HarnessFactory>(f: &F) {
+    let mut h = f.fresh(&example_config(|s| s)).await;
+    let mut body = ConnectBody::fresh("c1");
+    body.seed_receipts = vec![
+        ("templates_public".into(), "opaque-receipt-1".into()),
+        ("project:unassigned".into(), "opaque-receipt-2".into()),
+    ];
+    let r = ok(&mut h, "alice", &body).await;
+    // The assigned seeded scope arrives with a null cursor (rebuild); the unassigned one is removed.
+    assert_eq!(added(&r), ["templates_public", "user:alice"]);
+    assert_eq!(removed(&r), ["project:unassigned"]);
+    // A seeded scope the client already knows gets its cursor invalidated.
+    let mut next = ConnectBody::after("c1", &r);
+    next.known.retain(|(s, _)| s != "project:unassigned");
+    for (s, c) in next.known.iter_mut() {
+        if s == "templates_public" {
+            *c = Some("opaque-seed-cursor".into());
+        }
+    }
+    next.seed_receipts = vec![("templates_public".into(), "opaque-receipt-1".into())];
+    let again = ok(&mut h, "alice", &next).await;
+    assert!(added(&again).is_empty() && removed(&again).is_empty());
+    assert_eq!(
+        json::to_canonical_string(member(&again, &["scope_cursor_updates"])),
+        r#"{"templates_public":null}"#
+    );
 }
