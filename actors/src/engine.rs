@@ -2,9 +2,11 @@
 //! owns the state. This is the "canonical extension function" of the wire
 //! spec; the HTTP adapter only authenticates and forwards bytes.
 
+use std::sync::Arc;
+
 use protocol::error::{ErrorKind, ProtocolError};
 use protocol::json;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::config::SyncConfig;
 use crate::registry::{Registry, RegistryError};
@@ -73,12 +75,18 @@ pub struct Engine {
 
 /// How many requests may wait for the registry before callers wait too.
 const REGISTRY_INBOX: usize = 1024;
+/// Connects executing at once. Each is one store transaction; the client
+/// row lock serializes the connects of one client, so different clients
+/// proceed in parallel. When all permits are taken the inbox fills and
+/// callers wait (backpressure, not unbounded tasks).
+const PARALLEL_CONNECTS: usize = 64;
 
 impl Engine {
     /// Loads the registry from `store` and starts its actor.
     pub async fn start<S: Store>(store: S, config: SyncConfig) -> Result<Engine, RegistryError> {
-        let registry = Registry::load(store, config).await?;
+        let registry = Arc::new(Registry::load(store, config).await?);
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
+        let permits = Arc::new(Semaphore::new(PARALLEL_CONNECTS));
         tokio::spawn(async move {
             while let Some(msg) = rx.recv().await {
                 match msg {
@@ -88,11 +96,18 @@ impl Engine {
                         now_micros,
                         reply,
                     } => {
-                        let r = registry
-                            .connect(&user_id, &body, now_micros)
-                            .await
-                            .map(|c| c.to_body());
-                        let _ = reply.send(r.into());
+                        let Ok(permit) = permits.clone().acquire_owned().await else {
+                            break;
+                        };
+                        let registry = registry.clone();
+                        tokio::spawn(async move {
+                            let r = registry
+                                .connect(&user_id, &body, now_micros)
+                                .await
+                                .map(|c| c.to_body());
+                            let _ = reply.send(r.into());
+                            drop(permit);
+                        });
                     }
                     RegistryMsg::Schema { reply } => {
                         let _ = reply.send(Reply::ok(json::to_canonical(&registry.schema_json())));
