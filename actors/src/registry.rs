@@ -282,6 +282,8 @@ impl std::error::Error for RegistryError {}
 
 /// Maps a store failure to the protocol error a client sees.
 pub(crate) fn store_error(e: StoreError) -> ProtocolError {
+    // Store messages are built from error codes and our own text, never from row values.
+    tracing::warn!(error = %e, "store operation failed");
     match e {
         StoreError::Unavailable(_) => {
             ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })

@@ -5,10 +5,7 @@
 //! Thin by design: each method is one statement, and no protocol decision
 //! is made here.
 #![cfg(not(madsim))]
-#![cfg_attr(
-    any(test, feature = "testkit"),
-    allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)
-)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
 pub mod catalog;
 pub mod cluster;
@@ -244,6 +241,7 @@ impl StoreTx for PgTx {
 
 /// A new database in `cluster` holding the example app's tables, with the store on it.
 #[cfg(feature = "testkit")]
+#[allow(clippy::expect_used)] // test support fails loudly
 pub async fn example_store(cluster: &cluster::PgCluster, name: &str) -> PgStore {
     let store = PgStore::connect(
         cluster
@@ -261,6 +259,7 @@ pub async fn example_store(cluster: &cluster::PgCluster, name: &str) -> PgStore 
 }
 
 #[cfg(feature = "testkit")]
+#[allow(clippy::expect_used)] // test support fails loudly
 impl actors::testkit::ConformanceStore for PgStore {
     async fn add_grant(&self, user: &str, scope: &str) {
         sqlx::query("INSERT INTO synchro.scope_grants (user_id, scope_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
