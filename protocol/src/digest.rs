@@ -170,6 +170,8 @@ impl RowDigester {
         row: &Row,
         server_version: &ServerVersion,
     ) -> Digest {
+        // A caller contract, not input: rows exist only through `decode_row`,
+        // so a mismatch means a row was paired with another table (a bug).
         assert_eq!(
             row.values.len(),
             table.fields().len(),
