@@ -326,21 +326,6 @@ impl<S: Store> Registry<S> {
         })
     }
 
-    /// The current manifest.
-    pub fn current(&self) -> &Arc<Manifest> {
-        &self.current
-    }
-
-    /// The store.
-    pub fn store(&self) -> &S {
-        &self.store
-    }
-
-    /// The config.
-    pub fn config(&self) -> &SyncConfig {
-        &self.config
-    }
-
     /// Whether the store answers.
     pub async fn ready(&self) -> bool {
         match self.store.begin().await {
@@ -357,16 +342,22 @@ impl<S: Store> Registry<S> {
         now_micros: i64,
     ) -> Result<ConnectResponse, ProtocolError> {
         // Step 1 of dispatch: bind client_id to the user before anything else.
+        // The body is parsed once; a body that is not JSON has no client to bind.
+        let parsed = protocol::wire::parse_body(body);
         let mut tx = self.store.begin().await.map_err(store_error)?;
-        let existing = match protocol::wire::peek_client_id(body) {
-            Some(client_id) => tx.lock_client(&client_id).await.map_err(store_error)?,
+        let existing = match parsed
+            .as_ref()
+            .ok()
+            .and_then(protocol::wire::client_id_member)
+        {
+            Some(client_id) => tx.lock_client(client_id).await.map_err(store_error)?,
             None => None,
         };
         if existing.as_ref().is_some_and(|c| c.user_id != user_id) {
             return Err(ProtocolError::new(ErrorKind::AuthRequired));
         }
         // Steps 2 and 3: compatibility gates, then structure.
-        let req = ConnectRequest::parse(body, self.minimum_client_version.as_ref())?;
+        let req = ConnectRequest::from_value(parsed?, self.minimum_client_version.as_ref())?;
         // Step 4: retirement.
         if existing.as_ref().is_some_and(|c| c.retired) {
             return Err(ProtocolError::new(ErrorKind::ClientRetired));

@@ -55,7 +55,14 @@ impl ConnectRequest {
         body: &[u8],
         minimum_client_version: Option<&semver::Version>,
     ) -> Result<ConnectRequest, ProtocolError> {
-        let v = parse_body(body)?;
+        Self::from_value(parse_body(body)?, minimum_client_version)
+    }
+
+    /// Validates an already parsed body: the compatibility gates, then structure.
+    pub fn from_value(
+        v: Value,
+        minimum_client_version: Option<&semver::Version>,
+    ) -> Result<ConnectRequest, ProtocolError> {
         compatibility_gates(&v, minimum_client_version)?;
         let mut m = Members::new(v, "connect request")?;
         let client_id = super::client_id(m.take("client_id")?)?;

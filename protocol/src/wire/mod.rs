@@ -25,7 +25,7 @@ impl From<ShapeError> for ProtocolError {
 }
 
 /// Parses a request body: within the body limit, one strict JSON value.
-pub(crate) fn parse_body(body: &[u8]) -> Result<Value, ProtocolError> {
+pub fn parse_body(body: &[u8]) -> Result<Value, ProtocolError> {
     if body.len() > MAX_BODY_OCTETS {
         return Err(ProtocolError::invalid_request(
             "request body exceeds 1048576 octets",
@@ -34,19 +34,11 @@ pub(crate) fn parse_body(body: &[u8]) -> Result<Value, ProtocolError> {
     json::parse(body).map_err(|e| ProtocolError::invalid_request(format!("malformed JSON: {e}")))
 }
 
-/// The `client_id` string member of a body, if it has one, without further
-/// validation: dispatch binds the client to the user before parsing (step 1).
-pub fn peek_client_id(body: &[u8]) -> Option<String> {
-    if body.len() > MAX_BODY_OCTETS {
-        return None;
-    }
-    match json::parse(body).ok()? {
-        Value::Object(mut o) => match o.remove("client_id")? {
-            Value::String(s) => Some(s),
-            _ => None,
-        },
-        _ => None,
-    }
+/// The `client_id` string member of a parsed body, without further
+/// validation: dispatch binds the client to the user before structural
+/// validation (step 1).
+pub fn client_id_member(body: &Value) -> Option<&str> {
+    body.as_object()?.get("client_id")?.as_str()
 }
 
 /// A page limit in the fixed inclusive range 1..=1000.
