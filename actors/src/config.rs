@@ -22,6 +22,45 @@ pub struct SyncConfig {
     pub assignment: AssignmentConfig,
     #[serde(default)]
     pub tables: Vec<TableConfig>,
+    #[serde(default)]
+    pub capture: CaptureConfig,
+}
+
+/// Limits of WAL capture; every one finite.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CaptureConfig {
+    /// How often an idle materializer records a heartbeat (milliseconds).
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// Readiness turns false when the last heartbeat is older than this (milliseconds).
+    #[serde(default = "default_max_heartbeat_age_ms")]
+    pub max_heartbeat_age_ms: u64,
+    /// The pause before a failed or blocked feed is reopened (milliseconds).
+    #[serde(default = "default_retry_ms")]
+    pub retry_ms: u64,
+}
+
+impl Default for CaptureConfig {
+    fn default() -> Self {
+        CaptureConfig {
+            heartbeat_ms: default_heartbeat_ms(),
+            max_heartbeat_age_ms: default_max_heartbeat_age_ms(),
+            retry_ms: default_retry_ms(),
+        }
+    }
+}
+
+fn default_heartbeat_ms() -> u64 {
+    1_000
+}
+
+fn default_max_heartbeat_age_ms() -> u64 {
+    10_000
+}
+
+fn default_retry_ms() -> u64 {
+    1_000
 }
 
 /// Server-wide protocol settings.
@@ -360,6 +399,19 @@ impl SyncConfig {
                 ));
             }
         }
+        let c = &self.capture;
+        for (name, v) in [
+            ("heartbeat_ms", c.heartbeat_ms),
+            ("max_heartbeat_age_ms", c.max_heartbeat_age_ms),
+            ("retry_ms", c.retry_ms),
+        ] {
+            if !(1..=3_600_000).contains(&v) {
+                return err(format!("capture.{name} must be 1..=3600000"));
+            }
+        }
+        if c.max_heartbeat_age_ms <= c.heartbeat_ms {
+            return err("capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms");
+        }
         let mut table_ids = BTreeSet::new();
         let mut relation_ids = BTreeSet::new();
         for t in &self.tables {
@@ -481,9 +533,10 @@ impl TableConfig {
                             "table {t}: dependency key `{key}` is not a plain identifier"
                         ));
                     }
-                    if column(own).is_none() {
+                    if *own != self.primary_key {
                         return err(format!(
-                            "table {t}: dependency column `{own}` is not a synced field"
+                            "table {t}: dependency column `{own}` must be the primary key `{}`",
+                            self.primary_key
                         ));
                     }
                     for p in ScopeTemplate::parse(template)?.placeholders() {
@@ -789,7 +842,20 @@ mod validation_tests {
                     "column = \"nid\", template = \"team:{team_id}\"",
                 )
             },
-            "table tbl_notes: dependency column `nid` is not a synced field",
+            "table tbl_notes: dependency column `nid` must be the primary key `id`",
+        );
+        rejects(
+            |s| s.replace("[server]", "[capture]\nheartbeat_ms = 0\n\n[server]"),
+            "capture.heartbeat_ms must be 1..=3600000",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "[server]",
+                    "[capture]\nheartbeat_ms = 500\nmax_heartbeat_age_ms = 500\n\n[server]",
+                )
+            },
+            "capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms",
         );
         rejects(
             |s| {

@@ -3,12 +3,15 @@
 //! spec; the HTTP adapter only authenticates and forwards bytes.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use protocol::error::{ErrorKind, ProtocolError};
 use protocol::json;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
+use crate::capture::CapturePlan;
 use crate::config::SyncConfig;
+use crate::materializer::{self, CaptureStatus, MaterializerLimits};
 use crate::registry::{Registry, RegistryError};
 use crate::store::Store;
 
@@ -71,6 +74,8 @@ enum RegistryMsg {
 #[derive(Clone)]
 pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
+    capture: watch::Receiver<CaptureStatus>,
+    max_heartbeat_age: Duration,
 }
 
 /// How many requests may wait for the registry before callers wait too.
@@ -82,9 +87,20 @@ const REGISTRY_INBOX: usize = 1024;
 const PARALLEL_CONNECTS: usize = 64;
 
 impl Engine {
-    /// Loads the registry from `store` and starts its actor.
+    /// Loads the registry from `store`, installs capture and starts the actors.
     pub async fn start<S: Store>(store: S, config: SyncConfig) -> Result<Engine, RegistryError> {
-        let registry = Arc::new(Registry::load(store, config).await?);
+        let registry = Arc::new(Registry::load(store.clone(), config.clone()).await?);
+        store
+            .install_capture(&CapturePlan::new(&config))
+            .await
+            .map_err(RegistryError::Store)?;
+        let limits = MaterializerLimits {
+            heartbeat: Duration::from_millis(config.capture.heartbeat_ms),
+            retry: Duration::from_millis(config.capture.retry_ms),
+        };
+        let capture = materializer::spawn(store, &config, limits)
+            .await
+            .map_err(RegistryError::Config)?;
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
         let permits = Arc::new(Semaphore::new(PARALLEL_CONNECTS));
         tokio::spawn(async move {
@@ -121,7 +137,11 @@ impl Engine {
                 }
             }
         });
-        Ok(Engine { registry: tx })
+        Ok(Engine {
+            registry: tx,
+            capture,
+            max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
+        })
     }
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> RegistryMsg) -> Option<T> {
@@ -157,11 +177,25 @@ impl Engine {
             .unwrap_or_else(unavailable)
     }
 
-    /// Whether the registry runs and the store answers.
+    /// Whether the registry runs, the store answers, and capture is
+    /// running with a fresh heartbeat.
     pub async fn ready(&self) -> bool {
-        self.ask(|reply| RegistryMsg::Ready { reply })
-            .await
-            .unwrap_or(false)
+        let capture = match &*self.capture.borrow() {
+            CaptureStatus::Running { heartbeat, .. } => {
+                heartbeat.elapsed() <= self.max_heartbeat_age
+            }
+            _ => false,
+        };
+        capture
+            && self
+                .ask(|reply| RegistryMsg::Ready { reply })
+                .await
+                .unwrap_or(false)
+    }
+
+    /// What capture is doing now.
+    pub fn capture_status(&self) -> CaptureStatus {
+        self.capture.borrow().clone()
     }
 }
 

@@ -4,8 +4,10 @@
 //! Runs unchanged on tokio and under the madsim simulator: no OS threads,
 //! no real clock (callers pass the time in), no ambient entropy.
 
+pub mod capture;
 pub mod config;
 pub mod engine;
+pub mod materializer;
 pub mod registry;
 pub mod store;
 

@@ -226,10 +226,17 @@ impl PgCluster {
 
     /// Stops the cluster (fast shutdown).
     pub fn stop(&self) {
+        // A throwaway cluster needs no clean shutdown; `fast` would also wait
+        // for logical walsenders whose client may be blocked by this very call.
+        let mode = if self._temp.is_some() {
+            "immediate"
+        } else {
+            "fast"
+        };
         let mut stop = self.command("pg_ctl");
         stop.arg("-D")
             .arg(&self.dir)
-            .args(["-m", "fast", "-w", "stop"]);
+            .args(["-m", mode, "-w", "stop"]);
         let _ = stop.output();
     }
 }

@@ -7,25 +7,38 @@
 #![cfg(not(madsim))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+pub mod capture;
 pub mod catalog;
 pub mod cluster;
+mod materialized;
 pub mod pgoutput;
 
 use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
+use actors::capture::{
+    CapturePlan, CaptureProgress, DependencyRow, Effect, Materialization, Projection, Quarantine,
+};
 use actors::config::DependencyAssignment;
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
-use protocol::digest::Digest;
+use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::ScopeId;
 use protocol::json;
 use protocol::manifest::{Manifest, SchemaRef};
+use protocol::position::{Boundary, StreamPosition};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
+
+use crate::capture::{FeedTarget, PgFeed};
 
 /// The store on one PostgreSQL database.
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
+    options: PgConnectOptions,
+    feed_target: FeedTarget,
+    /// What `install_capture` installed; the feed checks relations against it.
+    plan: Arc<Mutex<Option<CapturePlan>>>,
 }
 
 /// Maps a driver error: transient ones are retryable, the rest are integrity failures.
@@ -52,18 +65,33 @@ fn db_error(e: sqlx::Error) -> StoreError {
 }
 
 impl PgStore {
-    /// Connects a pool and applies the migrations.
+    /// Connects a pool and applies the migrations. The replication
+    /// connection of capture uses the same server and `password`, if any.
     pub async fn connect(options: PgConnectOptions) -> Result<PgStore, StoreError> {
+        PgStore::connect_with_password(options, None).await
+    }
+
+    /// [`PgStore::connect`] for a server that needs a password.
+    pub async fn connect_with_password(
+        options: PgConnectOptions,
+        password: Option<&str>,
+    ) -> Result<PgStore, StoreError> {
+        let feed_target = FeedTarget::new(&options, password);
         let pool = PgPoolOptions::new()
             .max_connections(16)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
             .map_err(db_error)?;
         sqlx::migrate!("./migrations")
             .run(&pool)
             .await
             .map_err(|e| StoreError::Unavailable(format!("migrations failed: {e}")))?;
-        Ok(PgStore { pool })
+        Ok(PgStore {
+            pool,
+            options,
+            feed_target,
+            plan: Arc::new(Mutex::new(None)),
+        })
     }
 
     /// The pool, for operator tasks and tests.
@@ -79,6 +107,21 @@ pub struct PgTx {
 
 impl Store for PgStore {
     type Tx = PgTx;
+    type Feed = PgFeed;
+
+    async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
+        capture::install(self, plan).await?;
+        *self
+            .plan
+            .lock()
+            .map_err(|_| StoreError::Integrity("capture plan lock poisoned".into()))? =
+            Some(plan.clone());
+        Ok(())
+    }
+
+    async fn change_feed(&self) -> Result<Option<PgFeed>, StoreError> {
+        capture::open(self).await
+    }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
         Ok(PgTx {
@@ -232,6 +275,52 @@ impl StoreTx for PgTx {
             .fetch_all(&mut *self.tx)
             .await
             .map_err(db_error)
+    }
+
+    async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
+        self.read_capture_progress().await
+    }
+
+    async fn projections(
+        &mut self,
+        table_id: &str,
+        rows: &[RowIdentity],
+    ) -> Result<Vec<Projection>, StoreError> {
+        self.read_projections(table_id, rows).await
+    }
+
+    async fn dependency_row(
+        &mut self,
+        relation: &str,
+        identity: &str,
+    ) -> Result<Option<DependencyRow>, StoreError> {
+        self.read_dependency_row(relation, identity).await
+    }
+
+    async fn dependency_rows(
+        &mut self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        self.read_dependency_rows(relation, column, values).await
+    }
+
+    async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        self.write_materialization(m).await
+    }
+
+    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+        self.write_quarantine(q).await
+    }
+
+    async fn scope_effects(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Result<Vec<Effect>, StoreError> {
+        self.read_scope_effects(scope, after, through).await
     }
 
     async fn commit(self) -> Result<(), StoreError> {

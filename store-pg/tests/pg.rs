@@ -44,7 +44,7 @@ async fn pgstore() {
         .fetch_one(again.pool())
         .await
         .unwrap();
-    assert_eq!(n, 1);
+    assert_eq!(n, 2);
 
     catalog_validation(&cluster).await;
 }

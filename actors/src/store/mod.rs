@@ -8,10 +8,16 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;
 
-pub use mem::MemStore;
+pub use mem::{MemFeed, MemStore, SourceError};
+use protocol::digest::RowIdentity;
 use protocol::ids::ScopeId;
 use protocol::manifest::{Manifest, SchemaRef};
+use protocol::position::{Boundary, StreamPosition};
 
+use crate::capture::{
+    CapturePlan, CaptureProgress, ChangeFeed, DependencyRow, Effect, Materialization, Projection,
+    Quarantine,
+};
 use crate::config::DependencyAssignment;
 
 /// A store operation failed. Both kinds roll the transaction back.
@@ -55,9 +61,22 @@ pub struct ClientRecord {
 /// A database handle that opens transactions.
 pub trait Store: Clone + Send + Sync + 'static {
     type Tx: StoreTx;
+    type Feed: ChangeFeed + 'static;
 
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Installs (idempotently) and verifies what capture needs: version
+    /// triggers and the key guard on registered tables, and the feed over
+    /// registered and dependency relations.
+    fn install_capture(
+        &self,
+        plan: &CapturePlan,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Opens the change feed at the last acknowledged point, or `None` while
+    /// another process leads capture.
+    fn change_feed(&self) -> impl Future<Output = Result<Option<Self::Feed>, StoreError>> + Send;
 }
 
 /// One transaction. Dropping it without `commit` rolls it back.
@@ -95,6 +114,52 @@ pub trait StoreTx: Send {
         source: &DependencyAssignment,
         user_id: &str,
     ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+
+    /// The durable materialization progress and quarantine.
+    fn capture_progress(
+        &mut self,
+    ) -> impl Future<Output = Result<CaptureProgress, StoreError>> + Send;
+
+    /// The projections of these rows of a table that exist.
+    fn projections(
+        &mut self,
+        table_id: &str,
+        rows: &[RowIdentity],
+    ) -> impl Future<Output = Result<Vec<Projection>, StoreError>> + Send;
+
+    /// The dependency row with this identity.
+    fn dependency_row(
+        &mut self,
+        relation: &str,
+        identity: &str,
+    ) -> impl Future<Output = Result<Option<DependencyRow>, StoreError>> + Send;
+
+    /// The dependency rows whose `column` has one of `values`.
+    fn dependency_rows(
+        &mut self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> impl Future<Output = Result<Vec<DependencyRow>, StoreError>> + Send;
+
+    /// Writes one source transaction's outcome, advances progress to its
+    /// end and clears any quarantine.
+    fn materialize(
+        &mut self,
+        m: &Materialization,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Records the transaction that blocks capture.
+    fn quarantine(&mut self, q: &Quarantine)
+    -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The effects of a scope after `after` and through `through`, in position order.
+    fn scope_effects(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> impl Future<Output = Result<Vec<Effect>, StoreError>> + Send;
 
     /// Makes every write of the transaction durable.
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;

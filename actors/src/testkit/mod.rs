@@ -9,8 +9,11 @@ use protocol::manifest::Manifest;
 
 use crate::config::SyncConfig;
 
+mod capture;
+pub use capture::{CaptureWorld, Write, capture_suite, truncate_blocks};
+
 /// The example config (`examples/notes/config.toml`).
-pub const EXAMPLE_CONFIG: &str = include_str!("../../examples/notes/config.toml");
+pub const EXAMPLE_CONFIG: &str = include_str!("../../../examples/notes/config.toml");
 
 /// The example config parsed, after `edit` was applied to its text.
 pub fn example_config(edit: impl Fn(String) -> String) -> SyncConfig {

@@ -2,35 +2,92 @@
 //! simulator. A transaction holds the one lock for its whole life (so
 //! transactions are serial) and works on a copy that commit installs.
 
+mod capture;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use protocol::digest::RowIdentity;
+use protocol::ids::ScopeId;
 use protocol::manifest::Manifest;
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use protocol::position::{Boundary, StreamPosition};
+use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 
 use super::{ClientRecord, Store, StoreError, StoreTx};
+use crate::capture::{
+    CapturePlan, CaptureProgress, DependencyRow, Effect, Materialization, Projection, Quarantine,
+};
 use crate::config::DependencyAssignment;
+pub use capture::{MemFeed, SourceError};
 
 /// Everything the store holds.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct State {
     manifests: Vec<Manifest>,
     clients: BTreeMap<String, ClientRecord>,
     grants: BTreeSet<(String, String)>,
     /// (relation, user_column, value_column) -> rows of (user, value).
     dependencies: BTreeMap<(String, String, String), Vec<(String, String)>>,
+    capture: capture::CaptureState,
 }
 
 /// An in-memory database.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct MemStore {
     state: Arc<Mutex<State>>,
+    /// The commit log's length, for feeds waiting for the next transaction.
+    log_len: Arc<watch::Sender<usize>>,
+    /// Held by the one open feed (the capture leader), like PgStore's advisory lock.
+    leader: Arc<AtomicBool>,
+}
+
+impl Default for MemStore {
+    fn default() -> MemStore {
+        MemStore::with_seed(0)
+    }
 }
 
 impl MemStore {
     /// An empty store.
     pub fn new() -> MemStore {
         MemStore::default()
+    }
+
+    /// An empty store whose row versions come from `seed`.
+    pub fn with_seed(seed: u64) -> MemStore {
+        MemStore {
+            state: Arc::new(Mutex::new(State {
+                manifests: Vec::new(),
+                clients: BTreeMap::new(),
+                grants: BTreeSet::new(),
+                dependencies: BTreeMap::new(),
+                capture: capture::CaptureState::new(seed),
+            })),
+            log_len: Arc::new(watch::channel(0).0),
+            leader: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The current version of a registered row and whether it was hard-deleted
+    /// (then it is the row's deletion fence).
+    pub async fn row_version(&self, table_id: &str, key: &str) -> Option<(String, bool)> {
+        let state = self.state.lock().await;
+        let v = state
+            .capture
+            .versions
+            .get(&(table_id.to_owned(), key.to_owned()))?;
+        Some((v.version.clone(), v.deleted))
+    }
+
+    /// The commit LSN of the newest committed source transaction (0 before any).
+    pub async fn last_commit_lsn(&self) -> crate::capture::Lsn {
+        self.state.lock().await.capture.last_commit_lsn()
+    }
+
+    /// Fences that a materialization satisfied.
+    pub async fn materialized_fences(&self) -> BTreeSet<u64> {
+        self.state.lock().await.capture.fences_done.clone()
     }
 
     /// Adds a row to `synchro.scope_grants` (what an operator's SQL would do).
@@ -84,15 +141,37 @@ impl MemStore {
 pub struct MemTx {
     guard: OwnedMutexGuard<State>,
     work: State,
+    log_len: Arc<watch::Sender<usize>>,
 }
 
 impl Store for MemStore {
     type Tx = MemTx;
+    type Feed = MemFeed;
 
     async fn begin(&self) -> Result<MemTx, StoreError> {
         let guard = self.state.clone().lock_owned().await;
         let work = guard.clone();
-        Ok(MemTx { guard, work })
+        Ok(MemTx {
+            guard,
+            work,
+            log_len: self.log_len.clone(),
+        })
+    }
+
+    async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
+        self.state.lock().await.capture.install(plan);
+        Ok(())
+    }
+
+    async fn change_feed(&self) -> Result<Option<MemFeed>, StoreError> {
+        if self
+            .leader
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Ok(None);
+        }
+        Ok(Some(MemFeed::open(self.clone(), self.leader.clone()).await))
     }
 }
 
@@ -158,8 +237,64 @@ impl StoreTx for MemTx {
             .collect())
     }
 
+    async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
+        Ok(MemTx::capture_progress(self))
+    }
+
+    async fn projections(
+        &mut self,
+        table_id: &str,
+        rows: &[RowIdentity],
+    ) -> Result<Vec<Projection>, StoreError> {
+        Ok(MemTx::projections(self, table_id, rows))
+    }
+
+    async fn dependency_row(
+        &mut self,
+        relation: &str,
+        identity: &str,
+    ) -> Result<Option<DependencyRow>, StoreError> {
+        Ok(MemTx::dependency_row(self, relation, identity))
+    }
+
+    async fn dependency_rows(
+        &mut self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        Ok(MemTx::dependency_rows(self, relation, column, values))
+    }
+
+    async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        MemTx::materialize(self, m)
+    }
+
+    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+        MemTx::quarantine(self, q);
+        Ok(())
+    }
+
+    async fn scope_effects(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Result<Vec<Effect>, StoreError> {
+        Ok(MemTx::scope_effects(self, scope, after, through))
+    }
+
     async fn commit(mut self) -> Result<(), StoreError> {
-        *self.guard = std::mem::take(&mut self.work);
+        let log_len = self.work.capture.commit_source();
+        let MemTx {
+            mut guard,
+            work,
+            log_len: sender,
+        } = self;
+        *guard = work;
+        if let Some(n) = log_len {
+            sender.send_replace(n);
+        }
         Ok(())
     }
 }

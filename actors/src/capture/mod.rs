@@ -1,0 +1,323 @@
+//! Capture: what the stores' change feeds deliver (committed source
+//! transactions in commit order) and what the materializer makes durable
+//! from them (projections, dependency rows, per-scope effects, progress).
+//! The types here are the contract between the materializer and both stores.
+
+pub mod source_text;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::future::Future;
+
+use protocol::digest::{Digest, RowIdentity};
+use protocol::ids::{ScopeId, ServerVersion};
+use protocol::json::Value;
+use protocol::position::{Boundary, StreamPosition};
+
+use crate::config::{MembershipRule, SyncConfig};
+use crate::store::StoreError;
+
+/// A WAL position (PostgreSQL LSN, or MemStore's log position).
+pub type Lsn = u64;
+
+/// One row image, column name -> PostgreSQL text form (`None` is SQL NULL).
+/// A column missing from an image was not sent (an unchanged TOASTed value).
+pub type SourceImage = BTreeMap<String, Option<String>>;
+
+/// The kind of a source row change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChangeKind {
+    Insert,
+    Update,
+    Delete,
+}
+
+/// One decoded row change; its `event_ordinal` is its index in
+/// [`SourceTransaction::events`], assigned before anything is filtered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SourceEvent {
+    /// The schema-qualified relation.
+    pub relation: String,
+    pub kind: ChangeKind,
+    /// The replica-identity key columns of the row (old key for a delete or a key change).
+    pub identity: SourceImage,
+    /// The new image of an insert or update.
+    pub new: Option<SourceImage>,
+}
+
+/// What the version trigger recorded for one change of a registered row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VersionNote {
+    pub table_id: String,
+    /// The primary key in text form.
+    pub key: String,
+    /// The opaque version the change created.
+    pub version: String,
+    /// The fence the change allocated.
+    pub fence: u64,
+}
+
+impl VersionNote {
+    /// The bytes the trigger writes: `table_id \t fence \t version \t key`.
+    pub fn encode(&self) -> Vec<u8> {
+        format!(
+            "{}\t{}\t{}\t{}",
+            self.table_id, self.fence, self.version, self.key
+        )
+        .into_bytes()
+    }
+
+    /// Parses [`VersionNote::encode`]'s bytes.
+    pub fn decode(bytes: &[u8]) -> Option<VersionNote> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut parts = text.splitn(4, '\t');
+        Some(VersionNote {
+            table_id: parts.next()?.to_owned(),
+            fence: parts.next()?.parse().ok()?,
+            version: parts.next()?.to_owned(),
+            key: parts.next()?.to_owned(),
+        })
+    }
+}
+
+/// Why capture cannot go on. Bounded classes; never row data.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CaptureProblem {
+    /// WAL bytes that are not a valid pgoutput message.
+    Undecodable,
+    /// TRUNCATE of a captured relation.
+    Truncate,
+    /// A captured relation was renamed, moved, recreated or changed its key or replica identity.
+    RelationDrift,
+    /// A registered row change without its version note, or a note without a change.
+    VersionNoteMismatch,
+    /// A captured value that is not valid for its field.
+    InvalidValue,
+    /// A rule rendered a scope ID that is not a valid scope ID.
+    InvalidScopeId,
+    /// An update without the previous projection that its unsent columns need.
+    MissingProjection,
+}
+
+impl CaptureProblem {
+    /// The stable class name stored in the quarantine record and logs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CaptureProblem::Undecodable => "undecodable",
+            CaptureProblem::Truncate => "truncate",
+            CaptureProblem::RelationDrift => "relation_drift",
+            CaptureProblem::VersionNoteMismatch => "version_note_mismatch",
+            CaptureProblem::InvalidValue => "invalid_value",
+            CaptureProblem::InvalidScopeId => "invalid_scope_id",
+            CaptureProblem::MissingProjection => "missing_projection",
+        }
+    }
+
+    /// The inverse of [`CaptureProblem::as_str`].
+    pub fn parse(s: &str) -> Option<CaptureProblem> {
+        [
+            CaptureProblem::Undecodable,
+            CaptureProblem::Truncate,
+            CaptureProblem::RelationDrift,
+            CaptureProblem::VersionNoteMismatch,
+            CaptureProblem::InvalidValue,
+            CaptureProblem::InvalidScopeId,
+            CaptureProblem::MissingProjection,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+    }
+}
+
+impl fmt::Display for CaptureProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One committed source transaction, as a change feed delivers it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SourceTransaction {
+    pub commit_lsn: Lsn,
+    /// Where the slot may be acknowledged once this transaction is durable.
+    pub end_lsn: Lsn,
+    /// Row changes in decoded order.
+    pub events: Vec<SourceEvent>,
+    /// Version notes in decoded order.
+    pub notes: Vec<VersionNote>,
+    /// Set by the feed when the transaction cannot be read as a whole.
+    pub problem: Option<CaptureProblem>,
+}
+
+/// Committed source transactions in commit order, at least once.
+pub trait ChangeFeed: Send {
+    /// The next transaction; waits while there is none.
+    fn next(&mut self) -> impl Future<Output = Result<SourceTransaction, StoreError>> + Send;
+
+    /// Everything through `end_lsn` is durable: the store may forget it.
+    fn acknowledge(&mut self, end_lsn: Lsn) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A registered table as capture sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturedTable {
+    pub table_id: String,
+    pub relation: String,
+    pub primary_key: String,
+}
+
+/// What a store installs for capture: version triggers on registered tables,
+/// and a feed over registered tables and the dependency relations of rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturePlan {
+    pub tables: Vec<CapturedTable>,
+    /// Dependency relations with the columns the rules read from them.
+    pub dependencies: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl CapturePlan {
+    /// The plan for a validated config.
+    pub fn new(config: &SyncConfig) -> CapturePlan {
+        let mut dependencies: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for t in &config.tables {
+            for rule in &t.scopes {
+                if let MembershipRule::Dependency {
+                    via, key, template, ..
+                } = rule
+                {
+                    let columns = dependencies.entry(via.clone()).or_default();
+                    columns.insert(key.clone());
+                    if let Ok(t) = crate::config::ScopeTemplate::parse(template) {
+                        columns.extend(t.placeholders().map(str::to_owned));
+                    }
+                }
+            }
+        }
+        CapturePlan {
+            tables: config
+                .tables
+                .iter()
+                .map(|t| CapturedTable {
+                    table_id: t.table_id.clone(),
+                    relation: t.relation.clone(),
+                    primary_key: t.primary_key.clone(),
+                })
+                .collect(),
+            dependencies,
+        }
+    }
+
+    /// Every captured relation: registered tables, then dependency relations.
+    pub fn relations(&self) -> impl Iterator<Item = &str> {
+        self.tables
+            .iter()
+            .map(|t| t.relation.as_str())
+            .chain(self.dependencies.keys().map(String::as_str))
+    }
+}
+
+/// The captured state of one registered row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Projection {
+    pub table_id: String,
+    pub identity: RowIdentity,
+    /// The primary key in text form.
+    pub key: String,
+    /// The complete synced row (wire object keyed by field ID).
+    pub row: Value,
+    pub version: ServerVersion,
+    /// The row digest under `schema_version`'s manifest.
+    pub digest: Digest,
+    pub schema_version: u64,
+    /// The lifecycle `deleted_at` field is set: a source tombstone.
+    pub tombstone: bool,
+    /// The scopes the row belongs to.
+    pub scopes: BTreeSet<ScopeId>,
+}
+
+/// A row of a dependency relation, keyed by its replica identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DependencyRow {
+    pub relation: String,
+    /// Canonical JSON of the identity columns.
+    pub identity: String,
+    pub image: SourceImage,
+}
+
+/// The row an effect carries: the captured row, its version and digest.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CapturedRow {
+    /// Canonical JSON of the wire row object.
+    pub row: String,
+    pub version: ServerVersion,
+    pub digest: Digest,
+}
+
+/// What a scope's client must do for one row.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EffectOp {
+    /// The row is live in the scope.
+    Upsert(CapturedRow),
+    /// The row left the scope or was deleted; `Some` carries a source tombstone.
+    Delete(Option<CapturedRow>),
+}
+
+/// One per-scope effect at its delivery position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Effect {
+    pub scope: ScopeId,
+    pub commit_lsn: Lsn,
+    pub event_ordinal: u64,
+    /// Orders effects of one event within one scope (by row identity bytes).
+    pub effect_ordinal: u64,
+    pub table_id: String,
+    pub identity: RowIdentity,
+    /// The typed primary key as its wire value.
+    pub key: Value,
+    pub op: EffectOp,
+}
+
+impl Effect {
+    /// The delivery position.
+    pub fn position(&self) -> StreamPosition {
+        StreamPosition::Effect {
+            commit_lsn: self.commit_lsn,
+            event_ordinal: self.event_ordinal,
+            effect_ordinal: self.effect_ordinal,
+        }
+    }
+}
+
+/// Everything one source transaction makes durable, written atomically.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Materialization {
+    pub commit_lsn: Lsn,
+    pub end_lsn: Lsn,
+    pub put_projections: Vec<Projection>,
+    /// (table_id, identity) of hard-deleted rows.
+    pub removed_projections: Vec<(String, RowIdentity)>,
+    pub put_dependencies: Vec<DependencyRow>,
+    /// (relation, identity) of removed dependency rows.
+    pub removed_dependencies: Vec<(String, String)>,
+    pub effects: Vec<Effect>,
+    /// Fences this transaction satisfies.
+    pub fences: Vec<u64>,
+}
+
+/// The durable materialization progress.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaptureProgress {
+    /// Everything through this boundary is materialized.
+    pub boundary: Boundary,
+    /// The end LSN of the last materialized transaction (0 before any).
+    pub end_lsn: Lsn,
+    /// The transaction that blocks capture, if any.
+    pub quarantine: Option<Quarantine>,
+}
+
+/// A transaction that could not be materialized; it blocks capture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Quarantine {
+    pub commit_lsn: Lsn,
+    pub problem: CaptureProblem,
+}

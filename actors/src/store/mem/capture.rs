@@ -1,0 +1,503 @@
+//! MemStore's source database and capture state: application relations,
+//! the version "trigger", a commit log that plays the WAL, a slot with an
+//! acknowledged point, and the materialized state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Bound;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use protocol::digest::RowIdentity;
+use protocol::ids::ScopeId;
+use protocol::position::{Boundary, StreamPosition};
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use tokio::sync::watch;
+
+use super::{MemStore, MemTx};
+use crate::capture::{
+    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, ChangeKind, DependencyRow, Effect,
+    Lsn, Materialization, Projection, Quarantine, SourceEvent, SourceImage, SourceTransaction,
+    VersionNote,
+};
+use crate::store::StoreError;
+
+/// How far apart consecutive commits are in the log (any gap works; LSNs only order).
+const LSN_STEP: Lsn = 16;
+
+/// One application relation.
+#[derive(Clone, Debug, Default)]
+struct Relation {
+    key: Vec<String>,
+    rows: BTreeMap<Vec<Option<String>>, SourceImage>,
+}
+
+impl Relation {
+    fn key_of(&self, image: &SourceImage) -> Vec<Option<String>> {
+        self.key
+            .iter()
+            .map(|c| image.get(c).cloned().flatten())
+            .collect()
+    }
+
+    fn identity(&self, key: &[Option<String>]) -> SourceImage {
+        self.key.iter().cloned().zip(key.iter().cloned()).collect()
+    }
+}
+
+/// The current version of a registered row; a hard delete keeps it as a deletion fence.
+#[derive(Clone, Debug)]
+pub(super) struct RowVersion {
+    pub version: String,
+    /// The fence of the change that set this version (push correlates it).
+    #[allow(dead_code)]
+    pub fence: u64,
+    pub deleted: bool,
+}
+
+/// Everything capture-related that MemStore holds.
+#[derive(Clone, Debug)]
+pub(super) struct CaptureState {
+    relations: BTreeMap<String, Relation>,
+    plan: Option<CapturePlan>,
+    pub versions: BTreeMap<(String, String), RowVersion>,
+    next_fence: u64,
+    rng: ChaCha8Rng,
+    /// Committed source transactions not yet acknowledged: the WAL.
+    log: Vec<SourceTransaction>,
+    next_lsn: Lsn,
+    slot_ack: Lsn,
+    /// The open transaction's WAL.
+    pending: Option<SourceTransaction>,
+    progress: CaptureProgress,
+    projections: BTreeMap<(String, RowIdentity), Projection>,
+    dependencies: BTreeMap<(String, String), DependencyRow>,
+    effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
+    pub fences_done: BTreeSet<u64>,
+}
+
+impl CaptureState {
+    pub fn new(seed: u64) -> CaptureState {
+        CaptureState {
+            relations: BTreeMap::new(),
+            plan: None,
+            versions: BTreeMap::new(),
+            next_fence: 1,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            log: Vec::new(),
+            next_lsn: LSN_STEP,
+            slot_ack: 0,
+            pending: None,
+            progress: CaptureProgress {
+                boundary: Boundary::GenerationStart,
+                end_lsn: 0,
+                quarantine: None,
+            },
+            projections: BTreeMap::new(),
+            dependencies: BTreeMap::new(),
+            effects: BTreeMap::new(),
+            fences_done: BTreeSet::new(),
+        }
+    }
+
+    /// Installs the plan: relations that do not exist yet are created with
+    /// the key the plan implies (the primary key; a dependency relation's rule columns).
+    pub fn install(&mut self, plan: &CapturePlan) {
+        for t in &plan.tables {
+            self.relations
+                .entry(t.relation.clone())
+                .or_insert_with(|| Relation {
+                    key: vec![t.primary_key.clone()],
+                    rows: BTreeMap::new(),
+                });
+        }
+        for (relation, columns) in &plan.dependencies {
+            self.relations
+                .entry(relation.clone())
+                .or_insert_with(|| Relation {
+                    key: columns.iter().cloned().collect(),
+                    rows: BTreeMap::new(),
+                });
+        }
+        self.plan = Some(plan.clone());
+    }
+
+    /// The commit LSN of the newest committed source transaction (0 before any).
+    pub fn last_commit_lsn(&self) -> Lsn {
+        self.next_lsn - LSN_STEP
+    }
+
+    /// Moves the open transaction's WAL into the log; the new log length.
+    pub fn commit_source(&mut self) -> Option<usize> {
+        let mut t = self.pending.take()?;
+        t.commit_lsn = self.next_lsn;
+        t.end_lsn = self.next_lsn + 1;
+        self.next_lsn += LSN_STEP;
+        self.log.push(t);
+        Some(self.log.len())
+    }
+
+    fn pending(&mut self) -> &mut SourceTransaction {
+        self.pending.get_or_insert_with(|| SourceTransaction {
+            commit_lsn: 0,
+            end_lsn: 0,
+            events: Vec::new(),
+            notes: Vec::new(),
+            problem: None,
+        })
+    }
+
+    fn captured(&self, relation: &str) -> bool {
+        self.plan
+            .as_ref()
+            .is_some_and(|p| p.relations().any(|r| r == relation))
+    }
+
+    /// The version trigger of a registered table: a new random version and a fence.
+    fn version_trigger(
+        &mut self,
+        relation: &str,
+        image: &SourceImage,
+        deleted: bool,
+    ) -> Option<u64> {
+        let table = self
+            .plan
+            .as_ref()?
+            .tables
+            .iter()
+            .find(|t| t.relation == relation)?
+            .clone();
+        let key = image.get(&table.primary_key).cloned().flatten()?;
+        let mut bytes = [0u8; 16];
+        self.rng.fill_bytes(&mut bytes);
+        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let fence = self.next_fence;
+        self.next_fence += 1;
+        self.versions.insert(
+            (table.table_id.clone(), key.clone()),
+            RowVersion {
+                version: version.clone(),
+                fence,
+                deleted,
+            },
+        );
+        self.pending().notes.push(VersionNote {
+            table_id: table.table_id,
+            key,
+            version,
+            fence,
+        });
+        Some(fence)
+    }
+
+    fn record(
+        &mut self,
+        relation: &str,
+        kind: ChangeKind,
+        identity: SourceImage,
+        new: Option<SourceImage>,
+    ) {
+        if self.captured(relation) {
+            self.pending().events.push(SourceEvent {
+                relation: relation.to_owned(),
+                kind,
+                identity,
+                new,
+            });
+        }
+    }
+}
+
+/// Why a source write failed (what PostgreSQL would raise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceError {
+    NoRelation,
+    DuplicateKey,
+    NotFound,
+    /// The key guard: primary keys of registered tables never change.
+    KeyChange,
+}
+
+impl MemTx {
+    /// `CREATE TABLE` with these key columns (replaces nothing that exists).
+    pub fn create_relation(&mut self, relation: &str, key: &[&str]) {
+        self.work
+            .capture
+            .relations
+            .entry(relation.to_owned())
+            .or_insert_with(|| Relation {
+                key: key.iter().map(|c| (*c).to_owned()).collect(),
+                rows: BTreeMap::new(),
+            });
+    }
+
+    /// `INSERT` of a complete row. Returns the fence when the table is registered.
+    pub fn source_insert(
+        &mut self,
+        relation: &str,
+        row: SourceImage,
+    ) -> Result<Option<u64>, SourceError> {
+        let c = &mut self.work.capture;
+        let rel = c
+            .relations
+            .get_mut(relation)
+            .ok_or(SourceError::NoRelation)?;
+        let key = rel.key_of(&row);
+        if rel.rows.contains_key(&key) {
+            return Err(SourceError::DuplicateKey);
+        }
+        rel.rows.insert(key.clone(), row.clone());
+        let identity = rel.identity(&key);
+        c.record(relation, ChangeKind::Insert, identity, Some(row.clone()));
+        Ok(c.version_trigger(relation, &row, false))
+    }
+
+    /// `UPDATE` of the row with `key` to `changes` (other columns keep their values).
+    pub fn source_update(
+        &mut self,
+        relation: &str,
+        key: &SourceImage,
+        changes: SourceImage,
+    ) -> Result<Option<u64>, SourceError> {
+        let c = &mut self.work.capture;
+        let registered = c
+            .plan
+            .as_ref()
+            .is_some_and(|p| p.tables.iter().any(|t| t.relation == relation));
+        let rel = c
+            .relations
+            .get_mut(relation)
+            .ok_or(SourceError::NoRelation)?;
+        let old_key = rel.key_of(key);
+        let mut row = rel
+            .rows
+            .get(&old_key)
+            .cloned()
+            .ok_or(SourceError::NotFound)?;
+        row.extend(changes);
+        let new_key = rel.key_of(&row);
+        if new_key != old_key {
+            if registered {
+                return Err(SourceError::KeyChange);
+            }
+            if rel.rows.contains_key(&new_key) {
+                return Err(SourceError::DuplicateKey);
+            }
+        }
+        rel.rows.remove(&old_key);
+        rel.rows.insert(new_key, row.clone());
+        let identity = rel.identity(&old_key);
+        c.record(relation, ChangeKind::Update, identity, Some(row.clone()));
+        Ok(c.version_trigger(relation, &row, false))
+    }
+
+    /// `DELETE` of the row with `key`.
+    pub fn source_delete(
+        &mut self,
+        relation: &str,
+        key: &SourceImage,
+    ) -> Result<Option<u64>, SourceError> {
+        let c = &mut self.work.capture;
+        let rel = c
+            .relations
+            .get_mut(relation)
+            .ok_or(SourceError::NoRelation)?;
+        let key = rel.key_of(key);
+        let row = rel.rows.remove(&key).ok_or(SourceError::NotFound)?;
+        let identity = rel.identity(&key);
+        c.record(relation, ChangeKind::Delete, identity, None);
+        Ok(c.version_trigger(relation, &row, true))
+    }
+
+    /// `TRUNCATE`: capture cannot represent it and blocks.
+    pub fn source_truncate(&mut self, relation: &str) -> Result<(), SourceError> {
+        let c = &mut self.work.capture;
+        c.relations
+            .get_mut(relation)
+            .ok_or(SourceError::NoRelation)?
+            .rows
+            .clear();
+        if c.captured(relation) {
+            c.pending().problem = Some(CaptureProblem::Truncate);
+        }
+        Ok(())
+    }
+
+    /// The current source row with `key`, if any.
+    pub fn source_row(&self, relation: &str, key: &SourceImage) -> Option<SourceImage> {
+        let rel = self.work.capture.relations.get(relation)?;
+        rel.rows.get(&rel.key_of(key)).cloned()
+    }
+
+    pub(super) fn capture_progress(&self) -> CaptureProgress {
+        self.work.capture.progress.clone()
+    }
+
+    pub(super) fn projections(&self, table_id: &str, rows: &[RowIdentity]) -> Vec<Projection> {
+        rows.iter()
+            .filter_map(|r| {
+                self.work
+                    .capture
+                    .projections
+                    .get(&(table_id.to_owned(), r.clone()))
+                    .cloned()
+            })
+            .collect()
+    }
+
+    pub(super) fn dependency_row(&self, relation: &str, identity: &str) -> Option<DependencyRow> {
+        self.work
+            .capture
+            .dependencies
+            .get(&(relation.to_owned(), identity.to_owned()))
+            .cloned()
+    }
+
+    pub(super) fn dependency_rows(
+        &self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> Vec<DependencyRow> {
+        self.work
+            .capture
+            .dependencies
+            .range((relation.to_owned(), String::new())..)
+            .take_while(|((r, _), _)| r == relation)
+            .filter(|(_, d)| {
+                d.image
+                    .get(column)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|v| values.contains(v))
+            })
+            .map(|(_, d)| d.clone())
+            .collect()
+    }
+
+    pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        let c = &mut self.work.capture;
+        if let Boundary::TransactionEnd { commit_lsn } = c.progress.boundary
+            && m.commit_lsn <= commit_lsn
+        {
+            return Err(StoreError::Integrity(
+                "materialization must advance progress".into(),
+            ));
+        }
+        for p in &m.put_projections {
+            c.projections
+                .insert((p.table_id.clone(), p.identity.clone()), p.clone());
+        }
+        for (t, r) in &m.removed_projections {
+            c.projections.remove(&(t.clone(), r.clone()));
+        }
+        for d in &m.put_dependencies {
+            c.dependencies
+                .insert((d.relation.clone(), d.identity.clone()), d.clone());
+        }
+        for (r, i) in &m.removed_dependencies {
+            c.dependencies.remove(&(r.clone(), i.clone()));
+        }
+        for e in &m.effects {
+            if c.effects
+                .insert((e.scope.clone(), e.position()), e.clone())
+                .is_some()
+            {
+                return Err(StoreError::Integrity("two effects at one position".into()));
+            }
+        }
+        c.fences_done.extend(m.fences.iter().copied());
+        c.progress = CaptureProgress {
+            boundary: Boundary::TransactionEnd {
+                commit_lsn: m.commit_lsn,
+            },
+            end_lsn: m.end_lsn,
+            quarantine: None,
+        };
+        Ok(())
+    }
+
+    pub(super) fn quarantine(&mut self, q: &Quarantine) {
+        self.work.capture.progress.quarantine = Some(q.clone());
+    }
+
+    pub(super) fn scope_effects(
+        &self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Vec<Effect> {
+        let through = StreamPosition::from(through);
+        if through <= after {
+            return Vec::new();
+        }
+        self.work
+            .capture
+            .effects
+            .range((
+                Bound::Excluded((scope.clone(), after)),
+                Bound::Included((scope.clone(), through)),
+            ))
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+}
+
+/// MemStore's change feed: the commit log from the acknowledged point, at
+/// least once (a new feed redelivers everything not acknowledged).
+pub struct MemFeed {
+    store: MemStore,
+    delivered_end: Lsn,
+    log_len: watch::Receiver<usize>,
+    leader: Arc<AtomicBool>,
+}
+
+impl MemFeed {
+    pub(super) async fn open(store: MemStore, leader: Arc<AtomicBool>) -> MemFeed {
+        let delivered_end = store.state.lock().await.capture.slot_ack;
+        let log_len = store.log_len.subscribe();
+        MemFeed {
+            store,
+            delivered_end,
+            log_len,
+            leader,
+        }
+    }
+}
+
+impl Drop for MemFeed {
+    fn drop(&mut self) {
+        self.leader.store(false, Ordering::Release);
+    }
+}
+
+impl ChangeFeed for MemFeed {
+    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
+        loop {
+            {
+                let state = self.store.state.lock().await;
+                let next = state
+                    .capture
+                    .log
+                    .iter()
+                    .find(|t| t.end_lsn > self.delivered_end);
+                if let Some(t) = next {
+                    self.delivered_end = t.end_lsn;
+                    return Ok(t.clone());
+                }
+                self.log_len.mark_unchanged();
+            }
+            if self.log_len.changed().await.is_err() {
+                return Err(StoreError::Unavailable("the store is gone".into()));
+            }
+        }
+    }
+
+    async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        let mut state = self.store.state.lock().await;
+        let c = &mut state.capture;
+        c.slot_ack = c.slot_ack.max(end_lsn);
+        let ack = c.slot_ack;
+        c.log.retain(|t| t.end_lsn > ack);
+        Ok(())
+    }
+}

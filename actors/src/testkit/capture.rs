@@ -1,0 +1,346 @@
+//! The capture suite: the same application writes on any store, and the
+//! same expected per-scope effects after the real engine (materializer
+//! included) has run. MemStore and PgStore both pass it, so they agree.
+
+use std::time::Duration;
+
+use protocol::digest::row_digest;
+use protocol::ids::ScopeId;
+use protocol::json::{self, Value};
+use protocol::manifest::Manifest;
+use protocol::position::{Boundary, StreamPosition};
+
+use super::example_config;
+use crate::Engine;
+use crate::capture::{CaptureProblem, CaptureProgress, Effect, EffectOp, Lsn};
+use crate::materializer::CaptureStatus;
+use crate::store::{Store, StoreTx};
+
+/// One application write, in PostgreSQL's text forms (what the app's SQL does).
+#[derive(Clone, Copy, Debug)]
+pub enum Write<'a> {
+    /// `INSERT INTO relation (columns) VALUES (...)`.
+    Insert(&'a str, &'a [(&'a str, Option<&'a str>)]),
+    /// `UPDATE relation SET changes WHERE key`.
+    Update(
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        &'a [(&'a str, Option<&'a str>)],
+    ),
+    /// `DELETE FROM relation WHERE key`.
+    Delete(&'a str, &'a [(&'a str, &'a str)]),
+    /// `TRUNCATE relation`.
+    Truncate(&'a str),
+}
+
+/// A store with the example app's tables, written as the application would.
+#[allow(async_fn_in_trait)]
+pub trait CaptureWorld {
+    type S: Store;
+    /// The store (fresh, with the example tables and nothing else).
+    fn store(&self) -> &Self::S;
+    /// Commits `writes` as one source transaction. Returns an LSN at or below
+    /// its commit LSN and above every earlier commit's.
+    async fn write(&self, writes: &[Write<'_>]) -> Lsn;
+}
+
+const N1: &str = "00000000-0000-4000-8000-000000000001";
+const N2: &str = "00000000-0000-4000-8000-000000000002";
+const N3: &str = "00000000-0000-4000-8000-000000000003";
+const N4: &str = "00000000-0000-4000-8000-000000000004";
+const T: &str = "2026-07-18 14:00:01.5+00";
+
+fn note<'a>(id: &'a str, owner: &'a str) -> [(&'a str, Option<&'a str>); 7] {
+    [
+        ("id", Some(id)),
+        ("owner_id", Some(owner)),
+        ("title", Some("t")),
+        ("body", None),
+        ("pinned", Some("f")),
+        ("updated_at", Some(T)),
+        ("deleted_at", None),
+    ]
+}
+
+/// Waits until everything committed before `lsn` is materialized (or capture blocks).
+async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
+    for _ in 0..2000 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        let past =
+            matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn);
+        if past || p.quarantine.is_some() {
+            return p;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("capture did not reach {lsn} in 10 s");
+}
+
+/// Every effect of `scope` through the current boundary.
+async fn effects<S: Store>(store: &S, scope: &str) -> Vec<Effect> {
+    let mut tx = store.begin().await.unwrap();
+    let through = tx.capture_progress().await.unwrap().boundary;
+    tx.scope_effects(
+        &ScopeId::parse(scope).unwrap(),
+        StreamPosition::GenerationStart,
+        through,
+    )
+    .await
+    .unwrap()
+}
+
+/// `op key` for each effect, and checks each carried row's digest with the protocol crate.
+fn summary(manifest: &Manifest, effects: &[Effect]) -> Vec<String> {
+    effects
+        .iter()
+        .map(|e| {
+            let key = json::to_canonical_string(&e.key);
+            let (op, row) = match &e.op {
+                EffectOp::Upsert(r) => ("upsert", Some(r)),
+                EffectOp::Delete(Some(r)) => ("tombstone", Some(r)),
+                EffectOp::Delete(None) => ("delete", None),
+            };
+            if let Some(r) = row {
+                let table = manifest.table(&e.table_id).unwrap();
+                let value = json::parse(r.row.as_bytes()).unwrap();
+                let decoded = table.decode_row(value.as_object().unwrap()).unwrap();
+                let digest = row_digest(&manifest.hash(), table, &e.identity, &decoded, &r.version);
+                assert_eq!(digest, r.digest, "the row digest recomputes");
+            }
+            format!("{op} {key}")
+        })
+        .collect()
+}
+
+fn field(e: &Effect, field_id: &str) -> Value {
+    let (EffectOp::Upsert(r) | EffectOp::Delete(Some(r))) = &e.op else {
+        panic!("no row");
+    };
+    let row = json::parse(r.row.as_bytes()).unwrap();
+    row.as_object().unwrap()[field_id].clone()
+}
+
+fn version(e: &Effect) -> String {
+    match &e.op {
+        EffectOp::Upsert(r) | EffectOp::Delete(Some(r)) => r.version.as_str().to_owned(),
+        EffectOp::Delete(None) => panic!("no row"),
+    }
+}
+
+/// Direct application writes become exactly the expected per-scope effects,
+/// in commit order, with digests that recompute.
+pub async fn capture_suite<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let engine = Engine::start(store.clone(), example_config(|s| s))
+        .await
+        .unwrap();
+    let manifest = {
+        let mut tx = store.begin().await.unwrap();
+        tx.manifests().await.unwrap().pop().unwrap()
+    };
+    let templates: [(&str, Option<&str>); 3] = [
+        ("id", Some("tpl-1")),
+        ("name", Some("Daily")),
+        ("body", Some("x")),
+    ];
+    let tpl2: [(&str, Option<&str>); 3] = [
+        ("id", Some("tpl-2")),
+        ("name", Some("Weekly")),
+        ("body", Some("y")),
+    ];
+    let (n1, n2, n3, n4) = (
+        note(N1, "alice"),
+        note(N2, "bob"),
+        note(N3, "carol"),
+        note(N4, "carol"),
+    );
+    let steps: Vec<Vec<Write<'_>>> = vec![
+        // 0: one template, one note.
+        vec![
+            Write::Insert("public.templates", &templates),
+            Write::Insert("public.notes", &n1),
+        ],
+        // 1: one transaction touching three scopes.
+        vec![
+            Write::Update("public.notes", &[("id", N1)], &[("title", Some("t2"))]),
+            Write::Insert("public.notes", &n2),
+            Write::Insert("public.templates", &tpl2),
+        ],
+        // 2: share n1 with team red: n1 enters team:red unchanged.
+        vec![Write::Insert(
+            "public.note_shares",
+            &[("note_id", Some(N1)), ("team_id", Some("red"))],
+        )],
+        // 3: an update reaches both of n1's scopes.
+        vec![Write::Update(
+            "public.notes",
+            &[("id", N1)],
+            &[("pinned", Some("t"))],
+        )],
+        // 4: unshare: n1 leaves team:red.
+        vec![Write::Delete(
+            "public.note_shares",
+            &[("note_id", N1), ("team_id", "red")],
+        )],
+        // 5: soft delete n1 (a tombstone), hard delete n2.
+        vec![
+            Write::Update("public.notes", &[("id", N1)], &[("deleted_at", Some(T))]),
+            Write::Delete("public.notes", &[("id", N2)]),
+        ],
+        // 6: a row created and deleted in one transaction leaves nothing; n4 for carol.
+        vec![
+            Write::Insert("public.notes", &n3),
+            Write::Delete("public.notes", &[("id", N3)]),
+            Write::Insert("public.notes", &n4),
+        ],
+        // 7: n4 moves from carol to dave.
+        vec![Write::Update(
+            "public.notes",
+            &[("id", N4)],
+            &[("owner_id", Some("dave"))],
+        )],
+    ];
+    let mut last = 0;
+    for step in &steps {
+        last = world.write(step).await;
+    }
+    let progress = settle(&store, last).await;
+    assert_eq!(progress.quarantine, None);
+
+    let n = |id: &str| format!("\"{id}\"");
+    let alice = effects(&store, "user:alice").await;
+    assert_eq!(
+        summary(&manifest, &alice),
+        [
+            format!("upsert {}", n(N1)),
+            format!("upsert {}", n(N1)),
+            format!("upsert {}", n(N1)),
+            format!("tombstone {}", n(N1)),
+        ]
+    );
+    assert_eq!(
+        field(&alice[0], "fld_notes_updated_at"),
+        Value::string("2026-07-18T14:00:01.500000Z")
+    );
+    assert_eq!(field(&alice[0], "fld_notes_body"), Value::Null);
+    assert_eq!(field(&alice[1], "fld_notes_title"), Value::string("t2"));
+    assert_eq!(field(&alice[2], "fld_notes_pinned"), Value::Bool(true));
+    assert_eq!(
+        field(&alice[3], "fld_notes_deleted_at"),
+        Value::string("2026-07-18T14:00:01.500000Z")
+    );
+    let bob = effects(&store, "user:bob").await;
+    assert_eq!(
+        summary(&manifest, &bob),
+        [format!("upsert {}", n(N2)), format!("delete {}", n(N2))]
+    );
+    let public = effects(&store, "templates_public").await;
+    assert_eq!(
+        summary(&manifest, &public),
+        ["upsert \"tpl-1\"", "upsert \"tpl-2\""]
+    );
+    let red = effects(&store, "team:red").await;
+    assert_eq!(
+        summary(&manifest, &red),
+        [
+            format!("upsert {}", n(N1)),
+            format!("upsert {}", n(N1)),
+            format!("delete {}", n(N1)),
+        ]
+    );
+    // Entering a scope carries the row as it is, at its current version.
+    assert_eq!(version(&red[0]), version(&alice[1]));
+    assert_eq!(field(&red[0], "fld_notes_title"), Value::string("t2"));
+    // One update reaches both scopes at one event, with one version.
+    assert_eq!(version(&red[1]), version(&alice[2]));
+    assert_eq!(red[1].position(), alice[2].position());
+    // Every change of the row made a new version.
+    let versions: Vec<String> = alice.iter().map(version).collect();
+    let mut unique = versions.clone();
+    unique.dedup();
+    assert_eq!(unique, versions);
+    // The three-scope transaction: one commit, consecutive events, per-scope ordinals.
+    let (a, b, p) = (&alice[1], &bob[0], &public[1]);
+    assert_eq!((a.commit_lsn, a.commit_lsn), (b.commit_lsn, p.commit_lsn));
+    assert_eq!(
+        [a.event_ordinal, b.event_ordinal, p.event_ordinal],
+        [0, 1, 2]
+    );
+    assert_eq!(
+        [a.effect_ordinal, b.effect_ordinal, p.effect_ordinal],
+        [0, 0, 0]
+    );
+    // Commit order: positions strictly increase within every scope.
+    for list in [&alice, &bob, &public, &red] {
+        assert!(list.windows(2).all(|w| w[0].position() < w[1].position()));
+    }
+    // n3 never existed for anyone; n4 moved.
+    let carol = effects(&store, "user:carol").await;
+    assert_eq!(
+        summary(&manifest, &carol),
+        [format!("upsert {}", n(N4)), format!("delete {}", n(N4))]
+    );
+    let dave = effects(&store, "user:dave").await;
+    assert_eq!(summary(&manifest, &dave), [format!("upsert {}", n(N4))]);
+    assert_eq!(field(&dave[0], "fld_notes_owner"), Value::string("dave"));
+    assert!(matches!(
+        engine.capture_status(),
+        CaptureStatus::Running { .. }
+    ));
+}
+
+/// TRUNCATE of a registered relation quarantines its transaction and
+/// blocks capture: readiness turns false and nothing after it is materialized.
+pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let mut config = example_config(|s| s);
+    config.capture.heartbeat_ms = 20;
+    config.capture.max_heartbeat_age_ms = 2_000;
+    config.capture.retry_ms = 20;
+    let engine = Engine::start(store.clone(), config).await.unwrap();
+    let tpl: [(&str, Option<&str>); 3] = [
+        ("id", Some("tpl-1")),
+        ("name", Some("Daily")),
+        ("body", Some("x")),
+    ];
+    let lsn = world
+        .write(&[Write::Insert("public.templates", &tpl)])
+        .await;
+    assert_eq!(settle(&store, lsn).await.quarantine, None);
+    for _ in 0..400 {
+        if engine.ready().await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(engine.ready().await, "ready while capture runs");
+
+    let lsn = world.write(&[Write::Truncate("public.templates")]).await;
+    let progress = settle(&store, lsn).await;
+    let q = progress.quarantine.expect("the truncate is quarantined");
+    assert_eq!(q.problem, CaptureProblem::Truncate);
+    assert!(q.commit_lsn >= lsn);
+    assert!(!engine.ready().await);
+    assert_eq!(
+        engine.capture_status(),
+        CaptureStatus::Blocked(CaptureProblem::Truncate)
+    );
+
+    // Later writes wait behind the quarantined transaction, which is retried, not skipped.
+    let later = world
+        .write(&[Write::Insert("public.templates", &tpl)])
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    drop(tx);
+    assert_eq!(
+        p.quarantine.map(|q| q.problem),
+        Some(CaptureProblem::Truncate)
+    );
+    assert!(matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn < later));
+    let public = effects(&store, "templates_public").await;
+    assert_eq!(public.len(), 1);
+}

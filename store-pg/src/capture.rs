@@ -1,0 +1,469 @@
+//! Capture on PostgreSQL: installing the version triggers, key guards,
+//! publication and slot, and the change feed that streams pgoutput
+//! (`START_REPLICATION`, ADR 0004) and assembles whole source transactions.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use actors::capture::{
+    CapturePlan, CaptureProblem, ChangeFeed, ChangeKind, Lsn, SourceEvent, SourceImage,
+    SourceTransaction, VersionNote,
+};
+use actors::store::StoreError;
+use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::{Connection, Executor, Row};
+
+use crate::pgoutput::{self, Message, TupleValue};
+use crate::{PgStore, db_error};
+
+/// The publication of exactly the captured relations (publications are per database).
+pub const PUBLICATION: &str = "synchro_capture";
+/// The advisory-lock key of capture leadership (per database).
+const LEADER_LOCK: i64 = 0x73796e6368726f; // "synchro"
+/// Session settings that fix the text forms pgoutput sends.
+const SESSION_OPTIONS: &str =
+    "-c DateStyle=ISO,YMD -c TimeZone=UTC -c extra_float_digits=1 -c bytea_output=hex";
+
+/// How the replication connection reaches the server.
+#[derive(Clone, Debug)]
+pub struct FeedTarget {
+    host: String,
+    port: u16,
+    user: String,
+    password: String,
+    database: String,
+}
+
+impl FeedTarget {
+    /// The server `options` points at; `password` when it needs one.
+    pub fn new(options: &PgConnectOptions, password: Option<&str>) -> FeedTarget {
+        let host = match options.get_socket() {
+            Some(dir) => dir.display().to_string(),
+            None => options.get_host().to_owned(),
+        };
+        FeedTarget {
+            host,
+            port: options.get_port(),
+            user: options.get_username().to_owned(),
+            password: password.unwrap_or_default().to_owned(),
+            database: options.get_database().unwrap_or("postgres").to_owned(),
+        }
+    }
+
+    /// The slot's name: slots are cluster-wide, so it names the database.
+    pub fn slot(&self) -> String {
+        let db: String = self
+            .database
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .take(48)
+            .collect();
+        format!("synchro_{db}")
+    }
+}
+
+fn quote_relation(relation: &str) -> String {
+    relation
+        .split('.')
+        .map(|p| format!("\"{}\"", p.replace('"', "\"\"")))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Installs triggers, guard, publication and slot for `plan`, then verifies them.
+pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
+    let mut tx = store.pool.begin().await.map_err(db_error)?;
+    // One installer at a time across processes.
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(LEADER_LOCK + 1)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    for t in &plan.tables {
+        let rel = quote_relation(&t.relation);
+        let sql = format!(
+            "CREATE OR REPLACE TRIGGER synchro_version AFTER INSERT OR UPDATE OR DELETE ON {rel} \
+             FOR EACH ROW EXECUTE FUNCTION synchro.capture_version({}, {});
+             CREATE OR REPLACE TRIGGER synchro_key_guard BEFORE UPDATE ON {rel} \
+             FOR EACH ROW EXECUTE FUNCTION synchro.capture_key_guard({});",
+            literal(&t.table_id),
+            literal(&t.primary_key),
+            literal(&t.primary_key),
+        );
+        tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
+    }
+    for (relation, columns) in &plan.dependencies {
+        // pgoutput can only send deletes of a relation with a replica identity.
+        let row = sqlx::query(
+            "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i \
+             WHERE i.indrelid = c.oid AND i.indisprimary) FROM pg_class c \
+             WHERE c.oid = to_regclass($1)",
+        )
+        .bind(relation)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?
+        .ok_or_else(|| {
+            StoreError::Integrity(format!("dependency relation {relation} is missing"))
+        })?;
+        let identity: String = row.try_get(0).map_err(db_error)?;
+        let has_pk: bool = row.try_get(1).map_err(db_error)?;
+        if identity == "n" || (identity == "d" && !has_pk) {
+            return Err(StoreError::Integrity(format!(
+                "dependency relation {relation} needs a primary key or REPLICA IDENTITY FULL"
+            )));
+        }
+        let _ = columns;
+    }
+    let tables: Vec<String> = plan.relations().map(quote_relation).collect();
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+            .bind(PUBLICATION)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?;
+    let sql = if exists {
+        format!(
+            "ALTER PUBLICATION {PUBLICATION} SET TABLE {}",
+            tables.join(", ")
+        )
+    } else {
+        format!(
+            "CREATE PUBLICATION {PUBLICATION} FOR TABLE {} \
+             WITH (publish = 'insert, update, delete, truncate')",
+            tables.join(", ")
+        )
+    };
+    tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+
+    // A slot cannot be created in a transaction that wrote: its own statement.
+    let slot = store.feed_target.slot();
+    let has_slot: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND plugin = 'pgoutput' \
+         AND database = current_database())",
+    )
+    .bind(&slot)
+    .fetch_one(&store.pool)
+    .await
+    .map_err(db_error)?;
+    if !has_slot {
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(&slot)
+            .execute(&store.pool)
+            .await
+            .map_err(db_error)?;
+    }
+    verify(store, plan).await
+}
+
+/// Checks that everything capture needs is in place.
+async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
+    let published: BTreeSet<String> = sqlx::query_scalar(
+        "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
+    )
+    .bind(PUBLICATION)
+    .fetch_all(&store.pool)
+    .await
+    .map_err(db_error)?
+    .into_iter()
+    .collect();
+    let wanted: BTreeSet<String> = plan.relations().map(str::to_owned).collect();
+    if published != wanted {
+        return Err(StoreError::Integrity(
+            "the capture publication does not hold exactly the captured relations".into(),
+        ));
+    }
+    for t in &plan.tables {
+        let triggers: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) \
+             AND tgname IN ('synchro_version', 'synchro_key_guard') AND tgenabled <> 'D'",
+        )
+        .bind(&t.relation)
+        .fetch_one(&store.pool)
+        .await
+        .map_err(db_error)?;
+        if triggers != 2 {
+            return Err(StoreError::Integrity(format!(
+                "capture triggers on {} are missing or disabled",
+                t.relation
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A captured relation as its latest `Relation` message describes it.
+struct RelationInfo {
+    name: String,
+    columns: Vec<(String, bool)>,
+    replica_identity: u8,
+}
+
+/// The feed: a replication stream plus the connection holding leadership.
+pub struct PgFeed {
+    client: ReplicationClient,
+    /// Holds the session advisory lock; capture leadership ends with it.
+    _leader: PgConnection,
+    relations: BTreeMap<u32, RelationInfo>,
+    plan_relations: BTreeSet<String>,
+    registered: BTreeMap<String, String>,
+}
+
+/// Opens the feed if this process can lead capture.
+pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> {
+    let mut leader = PgConnection::connect_with(&store.options)
+        .await
+        .map_err(db_error)?;
+    let led: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(LEADER_LOCK)
+        .fetch_one(&mut leader)
+        .await
+        .map_err(db_error)?;
+    if !led {
+        return Ok(None);
+    }
+    let plan = store
+        .plan
+        .lock()
+        .map_err(|_| StoreError::Integrity("capture plan lock poisoned".into()))?
+        .clone()
+        .ok_or_else(|| StoreError::Integrity("capture is not installed".into()))?;
+    let t = &store.feed_target;
+    let config = if t.host.starts_with('/') {
+        ReplicationConfig::unix(
+            &t.host,
+            t.port,
+            &t.user,
+            &t.password,
+            &t.database,
+            t.slot(),
+            PUBLICATION,
+        )
+    } else {
+        ReplicationConfig::new(
+            &t.host,
+            &t.user,
+            &t.password,
+            &t.database,
+            t.slot(),
+            PUBLICATION,
+        )
+        .with_port(t.port)
+    }
+    .with_options(SESSION_OPTIONS)
+    .with_status_interval(Duration::from_millis(200))
+    .with_application_name("synchro-capture");
+    let client = ReplicationClient::connect(config)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("replication connection failed: {e}")))?;
+    Ok(Some(PgFeed {
+        client,
+        _leader: leader,
+        relations: BTreeMap::new(),
+        plan_relations: plan.relations().map(str::to_owned).collect(),
+        registered: plan
+            .tables
+            .iter()
+            .map(|t| (t.relation.clone(), t.primary_key.clone()))
+            .collect(),
+    }))
+}
+
+fn text(v: &TupleValue) -> Result<Option<Option<String>>, CaptureProblem> {
+    match v {
+        TupleValue::Null => Ok(Some(None)),
+        TupleValue::UnchangedToast => Ok(None),
+        TupleValue::Text(b) => String::from_utf8(b.clone())
+            .map(|s| Some(Some(s)))
+            .map_err(|_| CaptureProblem::Undecodable),
+        TupleValue::Binary(_) => Err(CaptureProblem::Undecodable),
+    }
+}
+
+impl PgFeed {
+    fn image(
+        &self,
+        rel: &RelationInfo,
+        tuple: &[TupleValue],
+    ) -> Result<SourceImage, CaptureProblem> {
+        if tuple.len() != rel.columns.len() {
+            return Err(CaptureProblem::Undecodable);
+        }
+        let mut image = SourceImage::new();
+        for ((name, _), v) in rel.columns.iter().zip(tuple) {
+            if let Some(v) = text(v)? {
+                image.insert(name.clone(), v);
+            }
+        }
+        Ok(image)
+    }
+
+    fn key_of(rel: &RelationInfo, image: &SourceImage) -> SourceImage {
+        rel.columns
+            .iter()
+            .filter(|(_, key)| *key)
+            .filter_map(|(c, _)| image.get(c).map(|v| (c.clone(), v.clone())))
+            .collect()
+    }
+
+    /// Folds one pgoutput message into the transaction being assembled.
+    fn apply(&mut self, msg: Message, t: &mut SourceTransaction) -> Result<(), CaptureProblem> {
+        match msg {
+            Message::Relation {
+                oid,
+                namespace,
+                name,
+                replica_identity,
+                columns,
+            } => {
+                let qualified = format!("{namespace}.{name}");
+                if !self.plan_relations.contains(&qualified) {
+                    return Err(CaptureProblem::RelationDrift); // renamed or moved
+                }
+                let columns: Vec<(String, bool)> =
+                    columns.into_iter().map(|c| (c.name, c.key)).collect();
+                if let Some(pk) = self.registered.get(&qualified) {
+                    let keys: Vec<&String> =
+                        columns.iter().filter(|(_, k)| *k).map(|(c, _)| c).collect();
+                    if replica_identity != b'd' || keys != [pk] {
+                        return Err(CaptureProblem::RelationDrift);
+                    }
+                }
+                if let Some(previous) = self.relations.get(&oid)
+                    && previous.replica_identity != replica_identity
+                {
+                    return Err(CaptureProblem::RelationDrift);
+                }
+                self.relations.insert(
+                    oid,
+                    RelationInfo {
+                        name: qualified,
+                        columns,
+                        replica_identity,
+                    },
+                );
+            }
+            Message::Insert { oid, new } => {
+                let rel = self
+                    .relations
+                    .get(&oid)
+                    .ok_or(CaptureProblem::Undecodable)?;
+                let new = self.image(rel, &new)?;
+                t.events.push(SourceEvent {
+                    relation: rel.name.clone(),
+                    kind: ChangeKind::Insert,
+                    identity: Self::key_of(rel, &new),
+                    new: Some(new),
+                });
+            }
+            Message::Update { oid, old, new } => {
+                let rel = self
+                    .relations
+                    .get(&oid)
+                    .ok_or(CaptureProblem::Undecodable)?;
+                let new = self.image(rel, &new)?;
+                let identity = match old {
+                    Some(old) => Self::key_of(rel, &self.image(rel, &old)?),
+                    None => Self::key_of(rel, &new),
+                };
+                t.events.push(SourceEvent {
+                    relation: rel.name.clone(),
+                    kind: ChangeKind::Update,
+                    identity,
+                    new: Some(new),
+                });
+            }
+            Message::Delete { oid, old } => {
+                let rel = self
+                    .relations
+                    .get(&oid)
+                    .ok_or(CaptureProblem::Undecodable)?;
+                let old = self.image(rel, &old)?;
+                t.events.push(SourceEvent {
+                    relation: rel.name.clone(),
+                    kind: ChangeKind::Delete,
+                    identity: Self::key_of(rel, &old),
+                    new: None,
+                });
+            }
+            Message::Truncate { .. } => return Err(CaptureProblem::Truncate),
+            // Begin, Commit and logical messages arrive as their own
+            // replication events; types and origins carry nothing capture needs.
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl ChangeFeed for PgFeed {
+    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
+        let mut open: Option<SourceTransaction> = None;
+        loop {
+            let event = self
+                .client
+                .recv()
+                .await
+                .map_err(|e| StoreError::Unavailable(format!("replication stream failed: {e}")))?
+                .ok_or_else(|| StoreError::Unavailable("replication stream ended".into()))?;
+            match event {
+                ReplicationEvent::Begin { .. } => {
+                    open = Some(SourceTransaction {
+                        commit_lsn: 0,
+                        end_lsn: 0,
+                        events: Vec::new(),
+                        notes: Vec::new(),
+                        problem: None,
+                    });
+                }
+                ReplicationEvent::XLogData { data, .. } => {
+                    let Some(t) = open.as_mut() else { continue };
+                    let applied = pgoutput::decode(&data)
+                        .map_err(|_| CaptureProblem::Undecodable)
+                        .and_then(|m| self.apply(m, t));
+                    if let Err(p) = applied {
+                        t.problem.get_or_insert(p);
+                    }
+                }
+                ReplicationEvent::Message {
+                    transactional: true,
+                    prefix,
+                    content,
+                    ..
+                } if prefix == "synchro.version" => {
+                    let Some(t) = open.as_mut() else { continue };
+                    match VersionNote::decode(&content) {
+                        Some(n) => t.notes.push(n),
+                        None => {
+                            t.problem.get_or_insert(CaptureProblem::VersionNoteMismatch);
+                        }
+                    }
+                }
+                ReplicationEvent::Commit { lsn, end_lsn, .. } => {
+                    if let Some(mut t) = open.take() {
+                        t.commit_lsn = u64::from(lsn);
+                        t.end_lsn = u64::from(end_lsn);
+                        return Ok(t);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        self.client.update_applied_lsn(end_lsn.into());
+        Ok(())
+    }
+}

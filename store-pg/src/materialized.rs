@@ -1,0 +1,434 @@
+//! The materialized state on PostgreSQL: progress, projections, dependency
+//! rows and scope effects. One statement per operation; a materialization
+//! writes each kind of row with one `UNNEST` insert.
+
+use std::collections::BTreeSet;
+
+use actors::capture::{
+    CaptureProblem, CaptureProgress, CapturedRow, DependencyRow, Effect, EffectOp, Materialization,
+    Projection, Quarantine, SourceImage,
+};
+use actors::store::StoreError;
+use protocol::digest::{Digest, RowIdentity};
+use protocol::ids::{ScopeId, ServerVersion};
+use protocol::json::{self, Value};
+use protocol::position::{Boundary, StreamPosition};
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::{PgTx, db_error};
+
+fn integrity(what: &str) -> StoreError {
+    StoreError::Integrity(format!("stored capture state is invalid: {what}"))
+}
+
+/// LSNs and ordinals are stored as bigint; PostgreSQL LSNs stay below 2^63.
+fn to_i64(v: u64) -> Result<i64, StoreError> {
+    i64::try_from(v).map_err(|_| integrity("position beyond bigint"))
+}
+
+fn to_u64(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v).map_err(|_| integrity("negative position"))
+}
+
+fn digest(bytes: &[u8]) -> Result<Digest, StoreError> {
+    Ok(Digest(
+        bytes.try_into().map_err(|_| integrity("digest length"))?,
+    ))
+}
+
+fn version(s: &str) -> Result<ServerVersion, StoreError> {
+    ServerVersion::parse(s).ok_or_else(|| integrity("server version"))
+}
+
+fn projection(r: &PgRow) -> Result<Projection, StoreError> {
+    let get = |e: sqlx::Error| db_error(e);
+    let row_json: String = r.try_get("row_json").map_err(get)?;
+    let scopes: Vec<String> = r.try_get("scopes").map_err(get)?;
+    Ok(Projection {
+        table_id: r.try_get("table_id").map_err(get)?,
+        identity: RowIdentity::from_bytes(r.try_get("identity").map_err(get)?),
+        key: r.try_get("key").map_err(get)?,
+        row: json::parse(row_json.as_bytes()).map_err(|_| integrity("projection row"))?,
+        version: version(r.try_get::<&str, _>("version").map_err(get)?)?,
+        digest: digest(r.try_get::<&[u8], _>("digest").map_err(get)?)?,
+        schema_version: to_u64(r.try_get("schema_version").map_err(get)?)?,
+        tombstone: r.try_get("tombstone").map_err(get)?,
+        scopes: scopes
+            .iter()
+            .map(|s| ScopeId::parse(s).ok_or_else(|| integrity("scope id")))
+            .collect::<Result<BTreeSet<_>, _>>()?,
+    })
+}
+
+fn image_json(image: &SourceImage) -> String {
+    let members = image.iter().map(|(c, v)| {
+        (
+            c.clone(),
+            v.as_ref().map_or(Value::Null, |s| Value::string(s.clone())),
+        )
+    });
+    json::to_canonical_string(&Value::Object(members.collect()))
+}
+
+fn dependency(r: &PgRow) -> Result<DependencyRow, StoreError> {
+    let image: String = r.try_get("image").map_err(db_error)?;
+    let value = json::parse(image.as_bytes()).map_err(|_| integrity("dependency image"))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| integrity("dependency image"))?;
+    let image = object
+        .iter()
+        .map(|(c, v)| match v {
+            Value::Null => Ok((c.clone(), None)),
+            Value::String(s) => Ok((c.clone(), Some(s.clone()))),
+            _ => Err(integrity("dependency image value")),
+        })
+        .collect::<Result<SourceImage, _>>()?;
+    Ok(DependencyRow {
+        relation: r.try_get("relation").map_err(db_error)?,
+        identity: r.try_get("identity").map_err(db_error)?,
+        image,
+    })
+}
+
+fn effect(r: &PgRow) -> Result<Effect, StoreError> {
+    let get = |e: sqlx::Error| db_error(e);
+    let key: String = r.try_get("key_json").map_err(get)?;
+    let row_json: Option<String> = r.try_get("row_json").map_err(get)?;
+    let captured = match row_json {
+        None => None,
+        Some(row) => Some(CapturedRow {
+            row,
+            version: version(
+                r.try_get::<Option<&str>, _>("version")
+                    .map_err(get)?
+                    .ok_or_else(|| integrity("effect version"))?,
+            )?,
+            digest: digest(
+                r.try_get::<Option<&[u8]>, _>("digest")
+                    .map_err(get)?
+                    .ok_or_else(|| integrity("effect digest"))?,
+            )?,
+        }),
+    };
+    let op = match (r.try_get::<i16, _>("op").map_err(get)?, captured) {
+        (0, Some(c)) => EffectOp::Upsert(c),
+        (1, c) => EffectOp::Delete(c),
+        _ => return Err(integrity("effect op")),
+    };
+    let scope: String = r.try_get("scope_id").map_err(get)?;
+    Ok(Effect {
+        scope: ScopeId::parse(&scope).ok_or_else(|| integrity("scope id"))?,
+        commit_lsn: to_u64(r.try_get("commit_lsn").map_err(get)?)?,
+        event_ordinal: to_u64(r.try_get("event_ordinal").map_err(get)?)?,
+        effect_ordinal: to_u64(r.try_get("effect_ordinal").map_err(get)?)?,
+        table_id: r.try_get("table_id").map_err(get)?,
+        identity: RowIdentity::from_bytes(r.try_get("identity").map_err(get)?),
+        key: json::parse(key.as_bytes()).map_err(|_| integrity("effect key"))?,
+        op,
+    })
+}
+
+/// (commit_lsn, event_ordinal, effect_ordinal) bounds of a position: a
+/// transaction end sorts after every effect of its LSN.
+fn bounds(p: StreamPosition) -> Result<(i64, i64, i64), StoreError> {
+    Ok(match p {
+        StreamPosition::GenerationStart => (-1, 0, 0),
+        StreamPosition::Effect {
+            commit_lsn,
+            event_ordinal,
+            effect_ordinal,
+        } => (
+            to_i64(commit_lsn)?,
+            to_i64(event_ordinal)?,
+            to_i64(effect_ordinal)?,
+        ),
+        StreamPosition::TransactionEnd { commit_lsn } => (to_i64(commit_lsn)?, i64::MAX, i64::MAX),
+    })
+}
+
+impl PgTx {
+    pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
+        let r = sqlx::query(
+            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class FROM synchro.capture_progress",
+        )
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        let commit: Option<i64> = r.try_get(0).map_err(db_error)?;
+        let q_lsn: Option<i64> = r.try_get(2).map_err(db_error)?;
+        let q_class: Option<String> = r.try_get(3).map_err(db_error)?;
+        Ok(CaptureProgress {
+            boundary: match commit {
+                None => Boundary::GenerationStart,
+                Some(c) => Boundary::TransactionEnd {
+                    commit_lsn: to_u64(c)?,
+                },
+            },
+            end_lsn: to_u64(r.try_get(1).map_err(db_error)?)?,
+            quarantine: match (q_lsn, q_class) {
+                (Some(l), Some(c)) => Some(Quarantine {
+                    commit_lsn: to_u64(l)?,
+                    problem: CaptureProblem::parse(&c)
+                        .ok_or_else(|| integrity("quarantine class"))?,
+                }),
+                _ => None,
+            },
+        })
+    }
+
+    pub(crate) async fn read_projections(
+        &mut self,
+        table_id: &str,
+        rows: &[RowIdentity],
+    ) -> Result<Vec<Projection>, StoreError> {
+        let ids: Vec<&[u8]> = rows.iter().map(RowIdentity::as_bytes).collect();
+        sqlx::query("SELECT * FROM synchro.projections WHERE table_id = $1 AND identity = ANY($2)")
+            .bind(table_id)
+            .bind(ids)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)?
+            .iter()
+            .map(projection)
+            .collect()
+    }
+
+    pub(crate) async fn read_dependency_row(
+        &mut self,
+        relation: &str,
+        identity: &str,
+    ) -> Result<Option<DependencyRow>, StoreError> {
+        sqlx::query(
+            "SELECT relation, identity, image::text AS image FROM synchro.dependency_rows \
+             WHERE relation = $1 AND identity = $2",
+        )
+        .bind(relation)
+        .bind(identity)
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .as_ref()
+        .map(dependency)
+        .transpose()
+    }
+
+    pub(crate) async fn read_dependency_rows(
+        &mut self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        sqlx::query(
+            "SELECT relation, identity, image::text AS image FROM synchro.dependency_rows \
+             WHERE relation = $1 AND image ->> $2 = ANY($3)",
+        )
+        .bind(relation)
+        .bind(column)
+        .bind(values)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(dependency)
+        .collect()
+    }
+
+    pub(crate) async fn write_materialization(
+        &mut self,
+        m: &Materialization,
+    ) -> Result<(), StoreError> {
+        let tx = &mut *self.tx;
+        let advanced = sqlx::query(
+            "UPDATE synchro.capture_progress SET commit_lsn = $1, end_lsn = $2, \
+             quarantine_lsn = NULL, quarantine_class = NULL \
+             WHERE commit_lsn IS NULL OR commit_lsn < $1",
+        )
+        .bind(to_i64(m.commit_lsn)?)
+        .bind(to_i64(m.end_lsn)?)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        if advanced.rows_affected() != 1 {
+            return Err(StoreError::Integrity(
+                "materialization must advance progress".into(),
+            ));
+        }
+        if !m.put_projections.is_empty() {
+            let p = &m.put_projections;
+            let scopes: Vec<String> = p
+                .iter()
+                .map(|p| {
+                    let list: Vec<Value> =
+                        p.scopes.iter().map(|s| Value::string(s.as_str())).collect();
+                    json::to_canonical_string(&Value::Array(list))
+                })
+                .collect();
+            sqlx::query(
+                "INSERT INTO synchro.projections AS p (table_id, identity, key, row_json, version, digest, \
+                 schema_version, tombstone, scopes) \
+                 SELECT t, i, k, r, v, d, s, tb, ARRAY(SELECT jsonb_array_elements_text(sc::jsonb)) \
+                 FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], $6::bytea[], \
+                 $7::int8[], $8::bool[], $9::text[]) AS u(t, i, k, r, v, d, s, tb, sc) \
+                 ON CONFLICT (table_id, identity) DO UPDATE SET key = EXCLUDED.key, \
+                 row_json = EXCLUDED.row_json, version = EXCLUDED.version, digest = EXCLUDED.digest, \
+                 schema_version = EXCLUDED.schema_version, tombstone = EXCLUDED.tombstone, \
+                 scopes = EXCLUDED.scopes",
+            )
+            .bind(p.iter().map(|p| p.table_id.as_str()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.identity.as_bytes()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.key.as_str()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| json::to_canonical_string(&p.row)).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.version.as_str()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.digest.0.to_vec()).collect::<Vec<_>>())
+            .bind(
+                p.iter()
+                    .map(|p| to_i64(p.schema_version))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+            .bind(p.iter().map(|p| p.tombstone).collect::<Vec<_>>())
+            .bind(scopes)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        if !m.removed_projections.is_empty() {
+            let r = &m.removed_projections;
+            sqlx::query(
+                "DELETE FROM synchro.projections p USING UNNEST($1::text[], $2::bytea[]) AS u(t, i) \
+                 WHERE p.table_id = u.t AND p.identity = u.i",
+            )
+            .bind(r.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>())
+            .bind(r.iter().map(|(_, i)| i.as_bytes()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        if !m.removed_dependencies.is_empty() {
+            let r = &m.removed_dependencies;
+            sqlx::query(
+                "DELETE FROM synchro.dependency_rows d USING UNNEST($1::text[], $2::text[]) AS u(r, i) \
+                 WHERE d.relation = u.r AND d.identity = u.i",
+            )
+            .bind(r.iter().map(|(rel, _)| rel.as_str()).collect::<Vec<_>>())
+            .bind(r.iter().map(|(_, i)| i.as_str()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        if !m.put_dependencies.is_empty() {
+            let d = &m.put_dependencies;
+            sqlx::query(
+                "INSERT INTO synchro.dependency_rows (relation, identity, image) \
+                 SELECT r, i, im::jsonb FROM UNNEST($1::text[], $2::text[], $3::text[]) AS u(r, i, im) \
+                 ON CONFLICT (relation, identity) DO UPDATE SET image = EXCLUDED.image",
+            )
+            .bind(d.iter().map(|d| d.relation.as_str()).collect::<Vec<_>>())
+            .bind(d.iter().map(|d| d.identity.as_str()).collect::<Vec<_>>())
+            .bind(d.iter().map(|d| image_json(&d.image)).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        if !m.effects.is_empty() {
+            let e = &m.effects;
+            let row = |e: &Effect| match &e.op {
+                EffectOp::Upsert(c) | EffectOp::Delete(Some(c)) => Some(c.clone()),
+                EffectOp::Delete(None) => None,
+            };
+            let rows: Vec<Option<CapturedRow>> = e.iter().map(row).collect();
+            let positions = e
+                .iter()
+                .map(|e| {
+                    Ok((
+                        to_i64(e.commit_lsn)?,
+                        to_i64(e.event_ordinal)?,
+                        to_i64(e.effect_ordinal)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            sqlx::query(
+                "INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
+                 table_id, identity, key_json, op, row_json, version, digest) \
+                 SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[])",
+            )
+            .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
+            .bind(positions.iter().map(|p| p.0).collect::<Vec<_>>())
+            .bind(positions.iter().map(|p| p.1).collect::<Vec<_>>())
+            .bind(positions.iter().map(|p| p.2).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| e.table_id.as_str()).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| e.identity.as_bytes()).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| json::to_canonical_string(&e.key)).collect::<Vec<_>>())
+            .bind(
+                e.iter()
+                    .map(|e| match e.op {
+                        EffectOp::Upsert(_) => 0i16,
+                        EffectOp::Delete(_) => 1,
+                    })
+                    .collect::<Vec<_>>(),
+            )
+            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.row.as_str())).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.version.as_str())).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        if !m.fences.is_empty() {
+            let fences = m
+                .fences
+                .iter()
+                .map(|f| to_i64(*f))
+                .collect::<Result<Vec<_>, _>>()?;
+            sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
+                .bind(fences)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn write_quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE synchro.capture_progress SET quarantine_lsn = $1, quarantine_class = $2",
+        )
+        .bind(to_i64(q.commit_lsn)?)
+        .bind(q.problem.as_str())
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+
+    pub(crate) async fn read_scope_effects(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Result<Vec<Effect>, StoreError> {
+        let a = bounds(after)?;
+        let t = bounds(StreamPosition::from(through))?;
+        sqlx::query(
+            "SELECT * FROM synchro.scope_effects WHERE scope_id = $1 \
+             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
+             AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
+             ORDER BY commit_lsn, event_ordinal, effect_ordinal",
+        )
+        .bind(scope.as_str())
+        .bind(a.0)
+        .bind(a.1)
+        .bind(a.2)
+        .bind(t.0)
+        .bind(t.1)
+        .bind(t.2)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(effect)
+        .collect()
+    }
+}
