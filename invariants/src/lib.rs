@@ -8,6 +8,8 @@
 //! - a client's `scope_set_version` never decreases, and between two of its
 //!   responses it is unchanged exactly when the assignment is unchanged.
 
+pub mod capture;
+
 use std::collections::{BTreeMap, BTreeSet};
 
 use protocol::json::{self, Value};

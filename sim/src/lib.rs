@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub mod capture;
 pub mod remote;
 
 use actors::store::MemStore;

@@ -11,11 +11,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use actors::capture::{
+    CapturePlan, CaptureProgress, ChangeFeed, DependencyRow, Effect, Lsn, Materialization,
+    Projection, Quarantine, SourceTransaction,
+};
 use actors::config::DependencyAssignment;
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use madsim::net::Endpoint;
 use madsim::time::{Instant, sleep, timeout};
+use protocol::digest::RowIdentity;
+use protocol::ids::ScopeId;
 use protocol::manifest::Manifest;
+use protocol::position::{Boundary, StreamPosition};
 use tokio::sync::mpsc;
 
 /// Where the database node listens.
@@ -37,7 +44,16 @@ enum Op {
     PutClient(ClientRecord),
     Grants(String),
     DependencyValues(DependencyAssignment, String),
+    CaptureProgress,
+    Projections(String, Vec<RowIdentity>),
+    DependencyRow(String, String),
+    DependencyRows(String, String, Vec<String>),
+    Materialize(Box<Materialization>),
+    Quarantine(Quarantine),
+    ScopeEffects(ScopeId, StreamPosition, Boundary),
     Commit,
+    /// The owner dropped the transaction: roll back now (a closed connection).
+    Rollback,
 }
 
 enum Answer {
@@ -45,6 +61,19 @@ enum Answer {
     Unit(Result<(), StoreError>),
     Client(Result<Option<ClientRecord>, StoreError>),
     Strings(Result<Vec<String>, StoreError>),
+    Progress(Result<CaptureProgress, StoreError>),
+    Projections(Result<Vec<Projection>, StoreError>),
+    Dependencies(Result<Vec<DependencyRow>, StoreError>),
+    Effects(Result<Vec<Effect>, StoreError>),
+    /// A feed: opened (leader), refused (standby), or its next transaction if one came.
+    Feed(Result<Option<Box<SourceTransaction>>, StoreError>),
+}
+
+/// One operation on a change feed held open on the database node.
+enum FeedOp {
+    /// The next transaction, if one arrives within `FEED_POLL`.
+    Next,
+    Acknowledge(Lsn),
 }
 
 enum Request {
@@ -58,7 +87,20 @@ enum Request {
         seq: u64,
         op: Op,
     },
+    InstallCapture(CapturePlan),
+    /// Opens a feed (if this caller may lead capture).
+    FeedOpen {
+        id: u64,
+    },
+    Feed {
+        id: u64,
+        seq: u64,
+        op: FeedOp,
+    },
 }
+
+/// How long the database node waits for the next source transaction per poll.
+const FEED_POLL: Duration = Duration::from_millis(100);
 
 struct Reply {
     seq: u64,
@@ -69,6 +111,8 @@ struct Reply {
 pub async fn database_main(store: MemStore) {
     let ep = Arc::new(Endpoint::bind(DATABASE).await.expect("bind"));
     let mut open: BTreeMap<u64, mpsc::UnboundedSender<(u64, Op, SocketAddr)>> = BTreeMap::new();
+    let mut feeds: BTreeMap<u64, mpsc::UnboundedSender<(u64, FeedOp, SocketAddr)>> =
+        BTreeMap::new();
     loop {
         let Ok((payload, from)) = ep.recv_from_raw(DB_REQUEST).await else {
             continue;
@@ -88,7 +132,76 @@ pub async fn database_main(store: MemStore) {
                     let _ = s.send((seq, op, from));
                 }
             }
+            Request::InstallCapture(plan) => {
+                let (store, ep) = (store.clone(), ep.clone());
+                madsim::task::spawn(async move {
+                    let answer = Answer::Unit(store.install_capture(&plan).await);
+                    reply(&ep, from, 0, answer).await;
+                });
+            }
+            Request::FeedOpen { id } => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                feeds.retain(|_, s| !s.is_closed());
+                feeds.insert(id, tx);
+                madsim::task::spawn(serve_feed(store.clone(), ep.clone(), from, rx));
+            }
+            Request::Feed { id, seq, op } => {
+                if let Some(s) = feeds.get(&id) {
+                    let _ = s.send((seq, op, from));
+                }
+            }
         }
+    }
+}
+
+async fn reply(ep: &Endpoint, to: SocketAddr, seq: u64, answer: Answer) {
+    let _ = ep
+        .send_to_raw(
+            to,
+            DB_REPLY,
+            Box::new(Reply {
+                seq,
+                answer: Some(answer),
+            }),
+        )
+        .await;
+}
+
+/// One feed on the database node. Like a replication connection, it dies
+/// (releasing capture leadership) when its owner stays silent.
+async fn serve_feed(
+    store: MemStore,
+    ep: Arc<Endpoint>,
+    owner: SocketAddr,
+    mut ops: mpsc::UnboundedReceiver<(u64, FeedOp, SocketAddr)>,
+) {
+    let mut feed = match store.change_feed().await {
+        Ok(Some(feed)) => feed,
+        Ok(None) => return reply(&ep, owner, 0, Answer::Feed(Ok(None))).await,
+        Err(e) => return reply(&ep, owner, 0, Answer::Feed(Err(e))).await,
+    };
+    // Any transaction answers "opened"; its content is not used.
+    let opened = SourceTransaction {
+        commit_lsn: 0,
+        end_lsn: 0,
+        events: Vec::new(),
+        notes: Vec::new(),
+        problem: None,
+    };
+    reply(&ep, owner, 0, Answer::Feed(Ok(Some(Box::new(opened))))).await;
+    loop {
+        let Ok(Some((seq, op, from))) = timeout(IDLE_TIMEOUT, ops.recv()).await else {
+            return; // dropped: leadership released
+        };
+        let answer = match op {
+            FeedOp::Next => match timeout(FEED_POLL, feed.next()).await {
+                Ok(Ok(t)) => Answer::Feed(Ok(Some(Box::new(t)))),
+                Ok(Err(e)) => Answer::Feed(Err(e)),
+                Err(_) => Answer::Feed(Ok(None)),
+            },
+            FeedOp::Acknowledge(end) => Answer::Unit(feed.acknowledge(end).await),
+        };
+        reply(&ep, from, seq, answer).await;
     }
 }
 
@@ -130,7 +243,30 @@ async fn transaction(
             Op::DependencyValues(d, u) => {
                 (Answer::Strings(tx.dependency_values(&d, &u).await), false)
             }
+            Op::CaptureProgress => (Answer::Progress(tx.capture_progress().await), false),
+            Op::Projections(t, rows) => {
+                (Answer::Projections(tx.projections(&t, &rows).await), false)
+            }
+            Op::DependencyRow(r, i) => (
+                Answer::Dependencies(
+                    tx.dependency_row(&r, &i)
+                        .await
+                        .map(|d| d.into_iter().collect()),
+                ),
+                false,
+            ),
+            Op::DependencyRows(r, c, v) => (
+                Answer::Dependencies(tx.dependency_rows(&r, &c, &v).await),
+                false,
+            ),
+            Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
+            Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
+            Op::ScopeEffects(scope, after, through) => (
+                Answer::Effects(tx.scope_effects(&scope, after, through).await),
+                false,
+            ),
             Op::Commit => (Answer::Unit(Ok(())), true),
+            Op::Rollback => return,
         };
         if done {
             let result = tx.commit().await;
@@ -177,9 +313,30 @@ impl RemoteStore {
 
 /// A transaction held open on the database node.
 pub struct RemoteTx {
-    ep: Endpoint,
+    ep: Arc<Endpoint>,
     id: u64,
     seq: u64,
+    finished: bool,
+}
+
+impl Drop for RemoteTx {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        // Like a closed connection: the database rolls back at once (if the message arrives).
+        let (ep, id, seq) = (self.ep.clone(), self.id, self.seq + 1);
+        madsim::task::spawn(async move {
+            if let Ok(db) = DATABASE.parse::<SocketAddr>() {
+                let request = Request::Op {
+                    id,
+                    seq,
+                    op: Op::Rollback,
+                };
+                let _ = ep.send_to_raw(db, DB_REQUEST, Box::new(request)).await;
+            }
+        });
+    }
 }
 
 fn lost() -> StoreError {
@@ -204,6 +361,38 @@ async fn answer(ep: &Endpoint, seq: u64) -> Result<Option<Answer>, StoreError> {
 
 impl Store for RemoteStore {
     type Tx = RemoteTx;
+    type Feed = RemoteFeed;
+
+    async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        ep.send_to_raw(
+            db,
+            DB_REQUEST,
+            Box::new(Request::InstallCapture(plan.clone())),
+        )
+        .await
+        .map_err(|_| lost())?;
+        match answer(&ep, 0).await?.ok_or_else(lost)? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn change_feed(&self) -> Result<Option<RemoteFeed>, StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        ep.send_to_raw(db, DB_REQUEST, Box::new(Request::FeedOpen { id }))
+            .await
+            .map_err(|_| lost())?;
+        match answer(&ep, 0).await?.ok_or_else(lost)? {
+            Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed { ep, id, seq: 0 })),
+            Answer::Feed(Ok(None)) => Ok(None),
+            Answer::Feed(Err(e)) => Err(e),
+            _ => Err(mismatch()),
+        }
+    }
 
     async fn begin(&self) -> Result<RemoteTx, StoreError> {
         let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
@@ -214,7 +403,12 @@ impl Store for RemoteStore {
             .await
             .map_err(|_| lost())?;
         answer(&ep, 0).await?;
-        Ok(RemoteTx { ep, id, seq: 0 })
+        Ok(RemoteTx {
+            ep: Arc::new(ep),
+            id,
+            seq: 0,
+            finished: false,
+        })
     }
 }
 
@@ -232,6 +426,50 @@ impl RemoteTx {
             .await
             .map_err(|_| lost())?;
         answer(&self.ep, self.seq).await?.ok_or_else(lost)
+    }
+}
+
+/// A change feed held open on the database node.
+pub struct RemoteFeed {
+    ep: Endpoint,
+    id: u64,
+    seq: u64,
+}
+
+impl RemoteFeed {
+    async fn call(&mut self, op: FeedOp) -> Result<Answer, StoreError> {
+        self.seq += 1;
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        let request = Request::Feed {
+            id: self.id,
+            seq: self.seq,
+            op,
+        };
+        self.ep
+            .send_to_raw(db, DB_REQUEST, Box::new(request))
+            .await
+            .map_err(|_| lost())?;
+        answer(&self.ep, self.seq).await?.ok_or_else(lost)
+    }
+}
+
+impl ChangeFeed for RemoteFeed {
+    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
+        loop {
+            match self.call(FeedOp::Next).await? {
+                Answer::Feed(Ok(Some(t))) => return Ok(*t),
+                Answer::Feed(Ok(None)) => continue,
+                Answer::Feed(Err(e)) => return Err(e),
+                _ => return Err(mismatch()),
+            }
+        }
+    }
+
+    async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        match self.call(FeedOp::Acknowledge(end_lsn)).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
     }
 }
 
@@ -289,7 +527,91 @@ impl StoreTx for RemoteTx {
         }
     }
 
+    async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
+        match self.call(Op::CaptureProgress).await? {
+            Answer::Progress(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn projections(
+        &mut self,
+        table_id: &str,
+        rows: &[RowIdentity],
+    ) -> Result<Vec<Projection>, StoreError> {
+        match self
+            .call(Op::Projections(table_id.to_owned(), rows.to_vec()))
+            .await?
+        {
+            Answer::Projections(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn dependency_row(
+        &mut self,
+        relation: &str,
+        identity: &str,
+    ) -> Result<Option<DependencyRow>, StoreError> {
+        match self
+            .call(Op::DependencyRow(relation.to_owned(), identity.to_owned()))
+            .await?
+        {
+            Answer::Dependencies(r) => r.map(|mut v| v.pop()),
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn dependency_rows(
+        &mut self,
+        relation: &str,
+        column: &str,
+        values: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        match self
+            .call(Op::DependencyRows(
+                relation.to_owned(),
+                column.to_owned(),
+                values.to_vec(),
+            ))
+            .await?
+        {
+            Answer::Dependencies(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        match self.call(Op::Materialize(Box::new(m.clone()))).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+        match self.call(Op::Quarantine(q.clone())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn scope_effects(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Result<Vec<Effect>, StoreError> {
+        match self
+            .call(Op::ScopeEffects(scope.clone(), after, through))
+            .await?
+        {
+            Answer::Effects(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
     async fn commit(mut self) -> Result<(), StoreError> {
+        self.finished = true;
         match self.call(Op::Commit).await? {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),

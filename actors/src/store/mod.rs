@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;
 
-pub use mem::{MemFeed, MemStore, SourceError};
+pub use mem::{MemFeed, MemStore, MemTx, SourceError};
 use protocol::digest::RowIdentity;
 use protocol::ids::ScopeId;
 use protocol::manifest::{Manifest, SchemaRef};

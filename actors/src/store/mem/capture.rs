@@ -74,6 +74,8 @@ pub(super) struct CaptureState {
     dependencies: BTreeMap<(String, String), DependencyRow>,
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
     pub fences_done: BTreeSet<u64>,
+    /// Transactions delivered by feeds, redeliveries included.
+    pub deliveries: u64,
 }
 
 impl CaptureState {
@@ -97,6 +99,7 @@ impl CaptureState {
             dependencies: BTreeMap::new(),
             effects: BTreeMap::new(),
             fences_done: BTreeSet::new(),
+            deliveries: 0,
         }
     }
 
@@ -323,6 +326,11 @@ impl MemTx {
         Ok(())
     }
 
+    /// The commit LSN this transaction gets if it commits source writes.
+    pub fn source_commit_lsn(&self) -> Lsn {
+        self.work.capture.next_lsn
+    }
+
     /// The current source row with `key`, if any.
     pub fn source_row(&self, relation: &str, key: &SourceImage) -> Option<SourceImage> {
         let rel = self.work.capture.relations.get(relation)?;
@@ -474,15 +482,16 @@ impl ChangeFeed for MemFeed {
     async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
         loop {
             {
-                let state = self.store.state.lock().await;
+                let mut state = self.store.state.lock().await;
                 let next = state
                     .capture
                     .log
                     .iter()
                     .find(|t| t.end_lsn > self.delivered_end);
-                if let Some(t) = next {
+                if let Some(t) = next.cloned() {
                     self.delivered_end = t.end_lsn;
-                    return Ok(t.clone());
+                    state.capture.deliveries += 1;
+                    return Ok(t);
                 }
                 self.log_len.mark_unchanged();
             }

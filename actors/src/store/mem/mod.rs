@@ -85,6 +85,11 @@ impl MemStore {
         self.state.lock().await.capture.last_commit_lsn()
     }
 
+    /// Transactions the change feeds delivered, redeliveries included.
+    pub async fn feed_deliveries(&self) -> u64 {
+        self.state.lock().await.capture.deliveries
+    }
+
     /// Fences that a materialization satisfied.
     pub async fn materialized_fences(&self) -> BTreeSet<u64> {
         self.state.lock().await.capture.fences_done.clone()

@@ -1,0 +1,417 @@
+//! WAL capture under faults: application writers on the database node race
+//! the materializer, which runs in the real engine on a server node that
+//! crashes at arbitrary points and reaches the database over a lossy link
+//! (lost store messages, commit-unknown results, lost acknowledgements and
+//! so redelivered transactions).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actors::capture::{EffectOp, SourceImage};
+use actors::store::{MemStore, MemTx, Store, StoreTx};
+use invariants::capture::{
+    EffectKind, ObservedEffect, ObservedProjection, SourceCommit, SourceWrite,
+};
+use madsim::net::NetSim;
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use madsim::time::sleep;
+use protocol::digest::{RowIdentity, row_digest};
+use protocol::ids::ScopeId;
+use protocol::json::{self, Value};
+use protocol::manifest::Manifest;
+use protocol::position::{Boundary, StreamPosition};
+
+use crate::remote;
+
+/// Knobs of one capture run.
+#[derive(Clone, Debug)]
+pub struct CaptureScenario {
+    pub writers: usize,
+    pub transactions_per_writer: usize,
+    pub packet_loss: f64,
+}
+
+impl Default for CaptureScenario {
+    fn default() -> Self {
+        CaptureScenario {
+            writers: 2,
+            transactions_per_writer: 25,
+            // Every store operation is a datagram pair with no retransmission,
+            // so a materialization of ~10 operations fails ~20% of the time
+            // at 1% loss: failures are frequent, yet capture makes progress.
+            packet_loss: 0.01,
+        }
+    }
+}
+
+/// What a capture run recorded.
+#[derive(Clone, Debug, Default)]
+pub struct CaptureTrace {
+    pub history: Vec<SourceCommit>,
+    pub effects: Vec<ObservedEffect>,
+    pub projections: Vec<ObservedProjection>,
+    pub crashes: usize,
+    /// Feed deliveries beyond one per committed transaction.
+    pub redeliveries: u64,
+    /// Faults in order, for the determinism check.
+    pub events: Vec<String>,
+}
+
+const USERS: [&str; 3] = ["u0", "u1", "u2"];
+const TEAMS: [&str; 2] = ["t0", "t1"];
+const WHEN: &str = "2026-07-18 14:00:01+00";
+
+fn image(cols: &[(&str, Option<String>)]) -> SourceImage {
+    cols.iter()
+        .map(|(c, v)| ((*c).to_owned(), v.clone()))
+        .collect()
+}
+
+fn key(cols: &[(&str, &str)]) -> SourceImage {
+    cols.iter()
+        .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
+        .collect()
+}
+
+/// One random application write inside `tx`, recorded for the model.
+fn random_write(
+    tx: &mut MemTx,
+    notes: &mut Vec<String>,
+    writer: usize,
+    counter: &mut u32,
+    out: &mut Vec<SourceWrite>,
+) {
+    let mut rng = thread_rng();
+    let pick = |list: &[String]| list[thread_rng().gen_range(0..list.len())].clone();
+    let roll = if notes.is_empty() {
+        0
+    } else {
+        rng.gen_range(0..10)
+    };
+    let put = |relation: &str, row: SourceImage, out: &mut Vec<SourceWrite>| {
+        out.push(SourceWrite::Put {
+            relation: relation.to_owned(),
+            image: row,
+        });
+    };
+    match roll {
+        0 | 1 => {
+            *counter += 1;
+            let id = format!("n-{writer}-{counter}");
+            let row = image(&[
+                ("id", Some(id.clone())),
+                (
+                    "owner_id",
+                    Some(USERS[rng.gen_range(0..USERS.len())].to_owned()),
+                ),
+                ("title", Some(format!("title {counter}"))),
+                ("body", None),
+                ("pinned", Some("f".into())),
+                ("updated_at", Some(WHEN.into())),
+                ("deleted_at", None),
+            ]);
+            tx.source_insert("public.notes", row.clone()).unwrap();
+            notes.push(id);
+            put("public.notes", row, out);
+        }
+        2..=4 => {
+            let id = pick(notes);
+            let changes = match rng.gen_range(0..4) {
+                0 => image(&[(
+                    "owner_id",
+                    Some(USERS[rng.gen_range(0..USERS.len())].to_owned()),
+                )]),
+                1 => image(&[("deleted_at", Some(WHEN.into()))]),
+                2 => image(&[("deleted_at", None)]),
+                _ => image(&[("title", Some(format!("edit {}", rng.gen_range(0..1000))))]),
+            };
+            let k = key(&[("id", &id)]);
+            tx.source_update("public.notes", &k, changes).unwrap();
+            put(
+                "public.notes",
+                tx.source_row("public.notes", &k).unwrap(),
+                out,
+            );
+        }
+        5 => {
+            // A hard delete, with its shares (what ON DELETE CASCADE does).
+            let id = pick(notes);
+            for team in TEAMS {
+                let k = key(&[("note_id", &id), ("team_id", team)]);
+                if tx.source_row("public.note_shares", &k).is_some() {
+                    tx.source_delete("public.note_shares", &k).unwrap();
+                    out.push(SourceWrite::Delete {
+                        relation: "public.note_shares".into(),
+                        key: vec![id.clone(), team.to_owned()],
+                    });
+                }
+            }
+            tx.source_delete("public.notes", &key(&[("id", &id)]))
+                .unwrap();
+            notes.retain(|n| *n != id);
+            out.push(SourceWrite::Delete {
+                relation: "public.notes".into(),
+                key: vec![id],
+            });
+        }
+        6 | 7 => {
+            let id = pick(notes);
+            let team = TEAMS[rng.gen_range(0..TEAMS.len())];
+            let k = key(&[("note_id", &id), ("team_id", team)]);
+            if tx.source_row("public.note_shares", &k).is_some() {
+                tx.source_delete("public.note_shares", &k).unwrap();
+                out.push(SourceWrite::Delete {
+                    relation: "public.note_shares".into(),
+                    key: vec![id, team.to_owned()],
+                });
+            } else {
+                tx.source_insert("public.note_shares", k.clone()).unwrap();
+                put("public.note_shares", k, out);
+            }
+        }
+        _ => {
+            let id = format!("tpl-{}", rng.gen_range(0..4));
+            let row = image(&[
+                ("id", Some(id.clone())),
+                ("name", Some(format!("name {}", rng.gen_range(0..1000)))),
+                ("body", Some("b".into())),
+            ]);
+            let k = key(&[("id", &id)]);
+            if tx.source_row("public.templates", &k).is_some() {
+                tx.source_update("public.templates", &k, row.clone())
+                    .unwrap();
+            } else {
+                tx.source_insert("public.templates", row.clone()).unwrap();
+            }
+            put("public.templates", row, out);
+        }
+    }
+}
+
+/// One application session on the database node: small transactions with pauses.
+async fn writer(
+    store: MemStore,
+    index: usize,
+    transactions: usize,
+    notes: Arc<Mutex<Vec<String>>>,
+    history: Arc<Mutex<Vec<SourceCommit>>>,
+) {
+    let mut counter = 0;
+    for _ in 0..transactions {
+        sleep(Duration::from_millis(thread_rng().gen_range(5..80))).await;
+        let mut tx = store.begin().await.unwrap();
+        let mut writes = Vec::new();
+        let n = thread_rng().gen_range(1..4);
+        {
+            let mut notes = notes.lock().unwrap();
+            for _ in 0..n {
+                random_write(&mut tx, &mut notes, index, &mut counter, &mut writes);
+            }
+        }
+        // Recorded under the store lock, so the history is in commit order.
+        history.lock().unwrap().push(SourceCommit {
+            commit_lsn: tx.source_commit_lsn(),
+            writes,
+        });
+        tx.commit().await.unwrap();
+    }
+}
+
+/// The server node for capture: the real engine, materializer included.
+async fn capture_server() {
+    let incarnation: u32 = thread_rng().r#gen();
+    let _engine = remote::start_engine(remote::RemoteStore::new(u64::from(incarnation))).await;
+    std::future::pending::<()>().await;
+}
+
+fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedEffect, String> {
+    let kind = match &e.op {
+        EffectOp::Upsert(r) | EffectOp::Delete(Some(r)) => {
+            let row = json::parse(r.row.as_bytes()).map_err(|_| "effect row is not JSON")?;
+            let table = manifest.table(&e.table_id).ok_or("unknown table")?;
+            let decoded = table
+                .decode_row(row.as_object().ok_or("row is not an object")?)
+                .map_err(|_| "effect row does not decode")?;
+            let identity = RowIdentity::of(table, table.row_key(&decoded).ok_or("no key")?);
+            if identity != e.identity {
+                return Err(format!(
+                    "effect identity differs from its row in {}",
+                    e.scope.as_str()
+                ));
+            }
+            if row_digest(&manifest.hash(), table, &identity, &decoded, &r.version) != r.digest {
+                return Err(format!(
+                    "row digest does not recompute in {}",
+                    e.scope.as_str()
+                ));
+            }
+            if matches!(e.op, EffectOp::Upsert(_)) {
+                EffectKind::Upsert(row)
+            } else {
+                EffectKind::Tombstone(row)
+            }
+        }
+        EffectOp::Delete(None) => EffectKind::Delete,
+    };
+    Ok(ObservedEffect {
+        scope: e.scope.as_str().to_owned(),
+        position: (e.commit_lsn, e.event_ordinal, e.effect_ordinal),
+        key: match &e.key {
+            Value::String(s) => s.clone(),
+            other => json::to_canonical_string(other),
+        },
+        kind,
+    })
+}
+
+/// Runs a capture scenario under the current seed.
+pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, String> {
+    let handle = Handle::current();
+    let store = MemStore::with_seed(thread_rng().r#gen());
+    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
+    let database = {
+        let store = store.clone();
+        handle
+            .create_node()
+            .name("database")
+            .ip("10.0.0.2".parse().expect("ip"))
+            .init(move || remote::database_main(store.clone()))
+            .build()
+    };
+    let _server = handle
+        .create_node()
+        .name("server")
+        .ip("10.0.0.1".parse().expect("ip"))
+        .init(capture_server)
+        .build();
+
+    // Capture is installed before the application writes (as `synchro serve` does at start).
+    let config = actors::testkit::example_config(|s| s);
+    store
+        .install_capture(&actors::capture::CapturePlan::new(&config))
+        .await
+        .map_err(|e| e.to_string())?;
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let notes = Arc::new(Mutex::new(Vec::new()));
+    let writers: Vec<_> = (0..scenario.writers)
+        .map(|i| {
+            database.spawn(writer(
+                store.clone(),
+                i,
+                scenario.transactions_per_writer,
+                notes.clone(),
+                history.clone(),
+            ))
+        })
+        .collect();
+    let mut trace = CaptureTrace::default();
+    // Crash the server (and with it the materializer) at arbitrary points.
+    let crasher = {
+        let handle = handle.clone();
+        madsim::task::spawn(async move {
+            let mut events = Vec::new();
+            loop {
+                sleep(Duration::from_millis(thread_rng().gen_range(150..900))).await;
+                handle.kill("server");
+                sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
+                handle.restart("server");
+                events.push("server crash and restart".to_owned());
+                if events.len() >= 6 {
+                    return events;
+                }
+            }
+        })
+    };
+    for w in writers {
+        w.await.map_err(|e| format!("writer failed: {e}"))?;
+    }
+    trace.events = crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    trace.crashes = trace.events.len();
+    trace.history = history.lock().unwrap().clone();
+
+    // Let capture catch up with everything committed.
+    let last = trace.history.last().map_or(0, |c| c.commit_lsn);
+    let mut caught_up = false;
+    for _ in 0..600 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        if let Some(q) = p.quarantine {
+            return Err(format!("capture blocked: {}", q.problem));
+        }
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= last) {
+            caught_up = true;
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    if !caught_up {
+        return Err("capture did not catch up within 60 simulated seconds".into());
+    }
+    trace.redeliveries = store
+        .feed_deliveries()
+        .await
+        .saturating_sub(trace.history.len() as u64);
+
+    // Read everything materialized.
+    let mut tx = store.begin().await.unwrap();
+    let manifest = tx.manifests().await.unwrap().pop().ok_or("no manifest")?;
+    let through = tx.capture_progress().await.unwrap().boundary;
+    let mut scopes: Vec<String> = USERS.iter().map(|u| format!("user:{u}")).collect();
+    scopes.extend(TEAMS.iter().map(|t| format!("team:{t}")));
+    scopes.push("templates_public".into());
+    for s in &scopes {
+        let scope = ScopeId::parse(s).ok_or("scope")?;
+        for e in tx
+            .scope_effects(&scope, StreamPosition::GenerationStart, through)
+            .await
+            .unwrap()
+        {
+            trace.effects.push(observe(&manifest, &e)?);
+        }
+    }
+    let mut keys: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for commit in &trace.history {
+        for w in &commit.writes {
+            if let SourceWrite::Put { relation, image } = w
+                && relation != "public.note_shares"
+            {
+                let table = if relation == "public.notes" {
+                    "tbl_notes"
+                } else {
+                    "tbl_templates"
+                };
+                keys.entry(table)
+                    .or_default()
+                    .extend(image.get("id").cloned().flatten());
+            }
+        }
+    }
+    for (table_id, ids) in keys {
+        let table = manifest.table(table_id).ok_or("table")?;
+        let ty = table.primary_key().field_type().ty;
+        let identities: Vec<RowIdentity> = ids
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|k| {
+                RowIdentity::of(
+                    table,
+                    &protocol::value::decode_key(ty, &Value::string(k.clone())).unwrap(),
+                )
+            })
+            .collect();
+        for p in tx.projections(table_id, &identities).await.unwrap() {
+            trace.projections.push(ObservedProjection {
+                table_id: p.table_id.clone(),
+                key: p.key.clone(),
+                row: p.row.clone(),
+                tombstone: p.tombstone,
+                scopes: p.scopes.iter().map(|s| s.as_str().to_owned()).collect(),
+            });
+        }
+    }
+    Ok(trace)
+}
