@@ -105,6 +105,18 @@ fn token(user: &str, config: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The password of a `postgres://user:password@host/db` URL, or `PGPASSWORD`.
+fn url_password(database_url: &str) -> Option<String> {
+    let from_url = url::Url::parse(database_url).ok().and_then(|u| {
+        u.password().map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    });
+    from_url.or_else(|| std::env::var("PGPASSWORD").ok())
+}
+
 async fn serve(
     config_path: &Path,
     listen: SocketAddr,
@@ -113,11 +125,16 @@ async fn serve(
 ) -> Result<(), String> {
     let config = load_config(config_path)?;
     // The embedded cluster lives as long as this function; dropping it stops PostgreSQL.
+    let mut password = None;
     let (_cluster, options) = match database_url {
-        Some(url) => (
-            None,
-            PgConnectOptions::from_str(&url).map_err(|e| format!("--database-url: {e}"))?,
-        ),
+        Some(url) => {
+            // The replication connection of capture needs the password too.
+            password = url_password(&url);
+            (
+                None,
+                PgConnectOptions::from_str(&url).map_err(|e| format!("--database-url: {e}"))?,
+            )
+        }
         None => {
             let dir = data_dir.join("pg");
             let cluster = tokio::task::spawn_blocking(move || PgCluster::start(&dir))
@@ -132,7 +149,7 @@ async fn serve(
             (Some(cluster), options)
         }
     };
-    let store = PgStore::connect(options)
+    let store = PgStore::connect_with_password(options, password.as_deref())
         .await
         .map_err(|e| format!("database: {e}"))?;
     catalog::check_server(store.pool())

@@ -3,8 +3,11 @@
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use actors::capture::Lsn;
+use actors::capture::{CaptureProblem, Lsn};
+use actors::materializer::CaptureStatus;
+use actors::store::{Store, StoreTx};
 use actors::testkit::{CaptureWorld, Write, capture_suite, truncate_blocks};
+use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
 use store_pg::{PgStore, example_store};
 
@@ -106,4 +109,106 @@ async fn capture_on_postgres() {
         store: example_store(&cluster, "truncate").await,
     };
     truncate_blocks(&truncated).await;
+}
+
+async fn wait_status(engine: &actors::Engine, want: fn(&CaptureStatus) -> bool, what: &str) {
+    for _ in 0..1000 {
+        if want(&engine.capture_status()) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("capture never became {what}: {:?}", engine.capture_status());
+}
+
+fn fast_config() -> actors::config::SyncConfig {
+    let mut config = actors::testkit::example_config(|s| s);
+    config.capture.heartbeat_ms = 20;
+    config.capture.max_heartbeat_age_ms = 2_000;
+    config.capture.retry_ms = 50;
+    config
+}
+
+/// Two processes on one database: one leads capture, the other stands by
+/// and takes over when the leader goes away.
+#[tokio::test]
+async fn a_standby_takes_over_capture() {
+    let cluster = PgCluster::temp().unwrap();
+    let first = example_store(&cluster, "standby").await;
+    let second = PgStore::connect(cluster.connect_options("standby"))
+        .await
+        .unwrap();
+    let leader = actors::Engine::start(first.clone(), fast_config())
+        .await
+        .unwrap();
+    wait_status(
+        &leader,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    let standby = actors::Engine::start(second.clone(), fast_config())
+        .await
+        .unwrap();
+    wait_status(&standby, |s| *s == CaptureStatus::Standby, "standby").await;
+    assert!(!standby.ready().await, "a standby is not ready");
+
+    drop(leader);
+    wait_status(
+        &standby,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    let world = Pg { store: second };
+    let lsn = world
+        .write(&[Write::Insert(
+            "public.templates",
+            &[("id", Some("t")), ("name", Some("n")), ("body", Some("b"))],
+        )])
+        .await;
+    for _ in 0..1000 {
+        let mut tx = world.store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the new leader did not materialize");
+}
+
+/// A renamed registered relation is drift: capture blocks on the first
+/// transaction that shows it, and readiness turns false.
+#[tokio::test]
+async fn relation_drift_blocks_capture() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "drift").await;
+    let engine = actors::Engine::start(store.clone(), fast_config())
+        .await
+        .unwrap();
+    wait_status(
+        &engine,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    sqlx::raw_sql(
+        "ALTER TABLE public.templates RENAME TO templates_old; \
+         INSERT INTO public.templates_old (id, name, body) VALUES ('t', 'n', 'b');",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    wait_status(
+        &engine,
+        |s| *s == CaptureStatus::Blocked(CaptureProblem::RelationDrift),
+        "blocked by drift",
+    )
+    .await;
+    assert!(!engine.ready().await);
+    let mut tx = store.begin().await.unwrap();
+    let q = tx.capture_progress().await.unwrap().quarantine.unwrap();
+    assert_eq!(q.problem, CaptureProblem::RelationDrift);
 }
