@@ -1,0 +1,174 @@
+//! Materializer throughput and latency on the example app (issue 4):
+//!
+//! - row events materialized per second for 1-row and 100-row transactions,
+//!   against raw pgoutput decoding of the same WAL (a second slot created at
+//!   the same point), measured in the same run;
+//! - commit-to-materialized latency p50/p99 of single-row transactions at a
+//!   moderate rate (about 80 per second), with the materializer caught up.
+//!
+//! Run: `cargo bench -p store-pg --bench capture`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
+
+use std::time::{Duration, Instant};
+
+use actors::Engine;
+use actors::capture::CapturePlan;
+use actors::store::Store;
+use actors::testkit::example_config;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use sqlx::PgPool;
+use store_pg::capture::PUBLICATION;
+use store_pg::cluster::PgCluster;
+use store_pg::example_store;
+use store_pg::pgoutput::{Message, decode};
+
+const ROWS: usize = 20_000;
+
+async fn raw_decoding(cluster: &PgCluster, db: &str, end: Lsn) -> usize {
+    let config = ReplicationConfig::unix(
+        cluster.dir().display().to_string(),
+        5432,
+        "postgres",
+        "",
+        db,
+        format!("{db}_raw"),
+        PUBLICATION,
+    )
+    .with_stop_lsn(end);
+    let mut client = ReplicationClient::connect(config).await.unwrap();
+    let mut rows = 0;
+    while let Some(event) = client.recv().await.unwrap() {
+        match event {
+            ReplicationEvent::XLogData { data, .. } => {
+                if let Message::Insert { .. } | Message::Update { .. } | Message::Delete { .. } =
+                    decode(&data).unwrap()
+                {
+                    rows += 1;
+                }
+            }
+            ReplicationEvent::StoppedAt { .. } => break,
+            _ => {}
+        }
+    }
+    rows
+}
+
+async fn progress(pool: &PgPool) -> i64 {
+    sqlx::query_scalar::<_, Option<i64>>("SELECT commit_lsn FROM synchro.capture_progress")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+        .unwrap_or(-1)
+}
+
+/// Where the next WAL record goes: at or below the commit of an open transaction.
+async fn lsn_now(conn: &mut sqlx::PgConnection) -> i64 {
+    sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0')::int8")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
+    let store = example_store(cluster, db).await;
+    let pool = store.pool().clone();
+    let config = example_config(|s| s);
+    // Both slots start before the workload, so both see the same WAL.
+    store.install_capture(&CapturePlan::new(&config)).await.unwrap();
+    sqlx::query(&format!("SELECT pg_create_logical_replication_slot('{db}_raw', 'pgoutput')"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let txs = ROWS / rows_per_tx;
+    sqlx::raw_sql(&format!(
+        "DO $$ BEGIN FOR t IN 0..{} LOOP
+           INSERT INTO public.notes (id, owner_id, title, body)
+             SELECT gen_random_uuid(), 'user-' || (i % 50), 'title ' || i, repeat('x', 80)
+             FROM generate_series(1, {rows_per_tx}) i;
+           COMMIT;
+         END LOOP; END $$",
+        txs - 1
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A marker transaction: its commit is the last one of the workload.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO public.templates (id, name, body) VALUES ('marker', 'm', 'm')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let last = lsn_now(&mut *tx).await;
+    tx.commit().await.unwrap();
+    let end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let start = Instant::now();
+    let raw = raw_decoding(cluster, db, Lsn::parse(&end).unwrap()).await;
+    let raw_s = start.elapsed().as_secs_f64();
+    assert_eq!(raw, ROWS + 1);
+
+    let start = Instant::now();
+    let engine = Engine::start(store.clone(), config).await.unwrap();
+    while progress(&pool).await < last {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mat_s = start.elapsed().as_secs_f64();
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.scope_effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects as usize, ROWS + 1, "one effect per inserted row");
+    println!(
+        "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw)",
+        ROWS as f64 / raw_s,
+        ROWS as f64 / mat_s,
+        100.0 * raw_s / mat_s
+    );
+    drop(engine);
+}
+
+async fn latency(cluster: &PgCluster) {
+    let store = example_store(cluster, "latency").await;
+    let pool = store.pool().clone();
+    let _engine = Engine::start(store.clone(), example_config(|s| s)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut samples = Vec::new();
+    for i in 0..600 {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO public.notes (id, owner_id, title) VALUES (gen_random_uuid(), $1, 'x')")
+            .bind(format!("user-{}", i % 50))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let lsn = lsn_now(&mut tx).await;
+        tx.commit().await.unwrap();
+        let committed = Instant::now();
+        while progress(&pool).await < lsn {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        if i >= 100 {
+            samples.push(committed.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    samples.sort();
+    let pct = |p: f64| samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)];
+    println!(
+        "commit-to-materialized latency, {} single-row transactions at ~80/s: p50 {:.2} ms, p99 {:.2} ms",
+        samples.len(),
+        pct(0.50).as_secs_f64() * 1e3,
+        pct(0.99).as_secs_f64() * 1e3
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let cluster = PgCluster::temp().unwrap();
+    println!("materializer on the notes example, {ROWS} inserted rows per workload");
+    throughput(&cluster, "one_row_tx", 1).await;
+    throughput(&cluster, "hundred_row_tx", 100).await;
+    latency(&cluster).await;
+}
