@@ -39,6 +39,12 @@ pub struct CaptureConfig {
     /// The pause before a failed or blocked feed is reopened (milliseconds).
     #[serde(default = "default_retry_ms")]
     pub retry_ms: u64,
+    /// At most this many waiting source transactions share one database transaction.
+    #[serde(default = "default_group_transactions")]
+    pub group_transactions: usize,
+    /// A group stops growing at this many row events.
+    #[serde(default = "default_group_events")]
+    pub group_events: usize,
 }
 
 impl Default for CaptureConfig {
@@ -47,8 +53,18 @@ impl Default for CaptureConfig {
             heartbeat_ms: default_heartbeat_ms(),
             max_heartbeat_age_ms: default_max_heartbeat_age_ms(),
             retry_ms: default_retry_ms(),
+            group_transactions: default_group_transactions(),
+            group_events: default_group_events(),
         }
     }
+}
+
+fn default_group_transactions() -> usize {
+    crate::materializer::GROUP_TRANSACTIONS
+}
+
+fn default_group_events() -> usize {
+    crate::materializer::GROUP_EVENTS
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -408,6 +424,13 @@ impl SyncConfig {
             if !(1..=3_600_000).contains(&v) {
                 return err(format!("capture.{name} must be 1..=3600000"));
             }
+        }
+        if !(1..=100_000).contains(&c.group_transactions)
+            || !(1..=1_000_000).contains(&c.group_events)
+        {
+            return err(
+                "capture.group_transactions must be 1..=100000 and capture.group_events 1..=1000000",
+            );
         }
         if c.max_heartbeat_age_ms <= c.heartbeat_ms {
             return err("capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms");

@@ -97,6 +97,8 @@ impl Engine {
         let limits = MaterializerLimits {
             heartbeat: Duration::from_millis(config.capture.heartbeat_ms),
             retry: Duration::from_millis(config.capture.retry_ms),
+            group_transactions: config.capture.group_transactions,
+            group_events: config.capture.group_events,
         };
         let capture = materializer::spawn(store, &config, limits)
             .await

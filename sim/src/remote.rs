@@ -46,7 +46,7 @@ enum Op {
     DependencyValues(DependencyAssignment, String),
     CaptureProgress,
     Projections(String, Vec<RowIdentity>),
-    DependencyRow(String, String),
+    DependencyRowsById(String, Vec<String>),
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
@@ -71,8 +71,8 @@ enum Answer {
 
 /// One operation on a change feed held open on the database node.
 enum FeedOp {
-    /// The next transaction, if one arrives within `FEED_POLL`.
-    Next,
+    /// The next transaction, if one completes within this wait (at most `FEED_POLL`).
+    Next(Duration),
     Acknowledge(Lsn),
 }
 
@@ -194,10 +194,9 @@ async fn serve_feed(
             return; // dropped: leadership released
         };
         let answer = match op {
-            FeedOp::Next => match timeout(FEED_POLL, feed.next()).await {
-                Ok(Ok(t)) => Answer::Feed(Ok(Some(Box::new(t)))),
-                Ok(Err(e)) => Answer::Feed(Err(e)),
-                Err(_) => Answer::Feed(Ok(None)),
+            FeedOp::Next(wait) => match feed.next(wait.min(FEED_POLL)).await {
+                Ok(t) => Answer::Feed(Ok(t.map(Box::new))),
+                Err(e) => Answer::Feed(Err(e)),
             },
             FeedOp::Acknowledge(end) => Answer::Unit(feed.acknowledge(end).await),
         };
@@ -247,12 +246,8 @@ async fn transaction(
             Op::Projections(t, rows) => {
                 (Answer::Projections(tx.projections(&t, &rows).await), false)
             }
-            Op::DependencyRow(r, i) => (
-                Answer::Dependencies(
-                    tx.dependency_row(&r, &i)
-                        .await
-                        .map(|d| d.into_iter().collect()),
-                ),
+            Op::DependencyRowsById(r, ids) => (
+                Answer::Dependencies(tx.dependency_rows_by_identity(&r, &ids).await),
                 false,
             ),
             Op::DependencyRows(r, c, v) => (
@@ -454,10 +449,13 @@ impl RemoteFeed {
 }
 
 impl ChangeFeed for RemoteFeed {
-    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
+    async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
+        let deadline = Instant::now() + wait;
         loop {
-            match self.call(FeedOp::Next).await? {
-                Answer::Feed(Ok(Some(t))) => return Ok(*t),
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.call(FeedOp::Next(left)).await? {
+                Answer::Feed(Ok(Some(t))) => return Ok(Some(*t)),
+                Answer::Feed(Ok(None)) if Instant::now() >= deadline => return Ok(None),
                 Answer::Feed(Ok(None)) => continue,
                 Answer::Feed(Err(e)) => return Err(e),
                 _ => return Err(mismatch()),
@@ -548,16 +546,19 @@ impl StoreTx for RemoteTx {
         }
     }
 
-    async fn dependency_row(
+    async fn dependency_rows_by_identity(
         &mut self,
         relation: &str,
-        identity: &str,
-    ) -> Result<Option<DependencyRow>, StoreError> {
+        identities: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
         match self
-            .call(Op::DependencyRow(relation.to_owned(), identity.to_owned()))
+            .call(Op::DependencyRowsById(
+                relation.to_owned(),
+                identities.to_vec(),
+            ))
             .await?
         {
-            Answer::Dependencies(r) => r.map(|mut v| v.pop()),
+            Answer::Dependencies(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -72,13 +72,21 @@ async fn lsn_now(conn: &mut sqlx::PgConnection) -> i64 {
 async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
     let store = example_store(cluster, db).await;
     let pool = store.pool().clone();
-    let config = example_config(|s| s);
+    let mut config = example_config(|s| s);
+    if let Ok(v) = std::env::var("GROUP_EVENTS") {
+        config.capture.group_events = v.parse().unwrap();
+    }
     // Both slots start before the workload, so both see the same WAL.
-    store.install_capture(&CapturePlan::new(&config)).await.unwrap();
-    sqlx::query(&format!("SELECT pg_create_logical_replication_slot('{db}_raw', 'pgoutput')"))
-        .execute(&pool)
+    store
+        .install_capture(&CapturePlan::new(&config))
         .await
         .unwrap();
+    sqlx::query(&format!(
+        "SELECT pg_create_logical_replication_slot('{db}_raw', 'pgoutput')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
     let txs = ROWS / rows_per_tx;
     sqlx::raw_sql(&format!(
         "DO $$ BEGIN FOR t IN 0..{} LOOP
@@ -98,7 +106,7 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
         .execute(&mut *tx)
         .await
         .unwrap();
-    let last = lsn_now(&mut *tx).await;
+    let last = lsn_now(&mut tx).await;
     tx.commit().await.unwrap();
     let end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
         .fetch_one(&pool)
@@ -133,16 +141,20 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
 async fn latency(cluster: &PgCluster) {
     let store = example_store(cluster, "latency").await;
     let pool = store.pool().clone();
-    let _engine = Engine::start(store.clone(), example_config(|s| s)).await.unwrap();
+    let _engine = Engine::start(store.clone(), example_config(|s| s))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut samples = Vec::new();
     for i in 0..600 {
         let mut tx = pool.begin().await.unwrap();
-        sqlx::query("INSERT INTO public.notes (id, owner_id, title) VALUES (gen_random_uuid(), $1, 'x')")
-            .bind(format!("user-{}", i % 50))
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO public.notes (id, owner_id, title) VALUES (gen_random_uuid(), $1, 'x')",
+        )
+        .bind(format!("user-{}", i % 50))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
         let lsn = lsn_now(&mut tx).await;
         tx.commit().await.unwrap();
         let committed = Instant::now();

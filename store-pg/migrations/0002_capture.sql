@@ -46,7 +46,7 @@ CREATE TABLE synchro.projections (
     digest          bytea NOT NULL CHECK (length(digest) = 32),
     schema_version  bigint NOT NULL,
     tombstone       boolean NOT NULL,
-    scopes          text[] NOT NULL,
+    scopes          text NOT NULL,  -- canonical JSON array of scope IDs
     PRIMARY KEY (table_id, identity)
 );
 

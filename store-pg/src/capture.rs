@@ -217,6 +217,9 @@ pub struct PgFeed {
     /// Holds the session advisory lock; capture leadership ends with it.
     _leader: PgConnection,
     relations: BTreeMap<u32, RelationInfo>,
+    /// The transaction being assembled: kept across `next` calls, so a
+    /// call that ends in the middle of a transaction loses nothing.
+    open: Option<SourceTransaction>,
     plan_relations: BTreeSet<String>,
     registered: BTreeMap<String, String>,
 }
@@ -272,6 +275,7 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         client,
         _leader: leader,
         relations: BTreeMap::new(),
+        open: None,
         plan_relations: plan.relations().map(str::to_owned).collect(),
         registered: plan
             .tables
@@ -408,15 +412,19 @@ impl PgFeed {
 }
 
 impl ChangeFeed for PgFeed {
-    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
-        let mut open: Option<SourceTransaction> = None;
+    async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
-            let event = self
-                .client
-                .recv()
-                .await
-                .map_err(|e| StoreError::Unavailable(format!("replication stream failed: {e}")))?
-                .ok_or_else(|| StoreError::Unavailable("replication stream ended".into()))?;
+            // `recv` is cancel-safe: an event is either returned or left queued.
+            let event = match tokio::time::timeout_at(deadline, self.client.recv()).await {
+                Err(_) => return Ok(None),
+                Ok(event) => event
+                    .map_err(|e| {
+                        StoreError::Unavailable(format!("replication stream failed: {e}"))
+                    })?
+                    .ok_or_else(|| StoreError::Unavailable("replication stream ended".into()))?,
+            };
+            let mut open = self.open.take();
             match event {
                 ReplicationEvent::Begin { .. } => {
                     open = Some(SourceTransaction {
@@ -454,11 +462,12 @@ impl ChangeFeed for PgFeed {
                     if let Some(mut t) = open.take() {
                         t.commit_lsn = u64::from(lsn);
                         t.end_lsn = u64::from(end_lsn);
-                        return Ok(t);
+                        return Ok(Some(t));
                     }
                 }
                 _ => {}
             }
+            self.open = open;
         }
     }
 

@@ -289,12 +289,13 @@ impl StoreTx for PgTx {
         self.read_projections(table_id, rows).await
     }
 
-    async fn dependency_row(
+    async fn dependency_rows_by_identity(
         &mut self,
         relation: &str,
-        identity: &str,
-    ) -> Result<Option<DependencyRow>, StoreError> {
-        self.read_dependency_row(relation, identity).await
+        identities: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        self.read_dependency_rows_by_identity(relation, identities)
+            .await
     }
 
     async fn dependency_rows(

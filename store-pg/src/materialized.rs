@@ -44,7 +44,18 @@ fn version(s: &str) -> Result<ServerVersion, StoreError> {
 fn projection(r: &PgRow) -> Result<Projection, StoreError> {
     let get = |e: sqlx::Error| db_error(e);
     let row_json: String = r.try_get("row_json").map_err(get)?;
-    let scopes: Vec<String> = r.try_get("scopes").map_err(get)?;
+    let scopes: String = r.try_get("scopes").map_err(get)?;
+    let scopes = match json::parse(scopes.as_bytes()) {
+        Ok(Value::Array(list)) => list
+            .iter()
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| integrity("scope id"))
+            })
+            .collect::<Result<Vec<String>, _>>()?,
+        _ => return Err(integrity("projection scopes")),
+    };
     Ok(Projection {
         table_id: r.try_get("table_id").map_err(get)?,
         identity: RowIdentity::from_bytes(r.try_get("identity").map_err(get)?),
@@ -195,23 +206,23 @@ impl PgTx {
             .collect()
     }
 
-    pub(crate) async fn read_dependency_row(
+    pub(crate) async fn read_dependency_rows_by_identity(
         &mut self,
         relation: &str,
-        identity: &str,
-    ) -> Result<Option<DependencyRow>, StoreError> {
+        identities: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
         sqlx::query(
             "SELECT relation, identity, image::text AS image FROM synchro.dependency_rows \
-             WHERE relation = $1 AND identity = $2",
+             WHERE relation = $1 AND identity = ANY($2)",
         )
         .bind(relation)
-        .bind(identity)
-        .fetch_optional(&mut *self.tx)
+        .bind(identities)
+        .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?
-        .as_ref()
+        .iter()
         .map(dependency)
-        .transpose()
+        .collect()
     }
 
     pub(crate) async fn read_dependency_rows(
@@ -268,9 +279,8 @@ impl PgTx {
             sqlx::query(
                 "INSERT INTO synchro.projections AS p (table_id, identity, key, row_json, version, digest, \
                  schema_version, tombstone, scopes) \
-                 SELECT t, i, k, r, v, d, s, tb, ARRAY(SELECT jsonb_array_elements_text(sc::jsonb)) \
-                 FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], $6::bytea[], \
-                 $7::int8[], $8::bool[], $9::text[]) AS u(t, i, k, r, v, d, s, tb, sc) \
+                 SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], $6::bytea[], \
+                 $7::int8[], $8::bool[], $9::text[]) \
                  ON CONFLICT (table_id, identity) DO UPDATE SET key = EXCLUDED.key, \
                  row_json = EXCLUDED.row_json, version = EXCLUDED.version, digest = EXCLUDED.digest, \
                  schema_version = EXCLUDED.schema_version, tombstone = EXCLUDED.tombstone, \

@@ -8,6 +8,7 @@ pub mod source_text;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{ScopeId, ServerVersion};
@@ -151,8 +152,13 @@ pub struct SourceTransaction {
 
 /// Committed source transactions in commit order, at least once.
 pub trait ChangeFeed: Send {
-    /// The next transaction; waits while there is none.
-    fn next(&mut self) -> impl Future<Output = Result<SourceTransaction, StoreError>> + Send;
+    /// The next transaction, or `None` if none completes within `wait`. A
+    /// transaction partly received when `wait` ends is kept for the next
+    /// call: no transaction is ever skipped.
+    fn next(
+        &mut self,
+        wait: Duration,
+    ) -> impl Future<Output = Result<Option<SourceTransaction>, StoreError>> + Send;
 
     /// Everything through `end_lsn` is durable: the store may forget it.
     fn acknowledge(&mut self, end_lsn: Lsn) -> impl Future<Output = Result<(), StoreError>> + Send;

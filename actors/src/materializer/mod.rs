@@ -17,13 +17,18 @@ use std::time::Duration;
 
 use protocol::position::Boundary;
 use tokio::sync::watch;
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep};
 
-use crate::capture::{CaptureProblem, ChangeFeed, Quarantine};
+use crate::capture::{CaptureProblem, ChangeFeed, Lsn, Quarantine};
 use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
 pub(crate) use model::Model;
-use step::StepError;
+
+/// Default bound of source transactions per database transaction.
+pub const GROUP_TRANSACTIONS: usize = 500;
+/// Default bound of row events per database transaction (a larger single
+/// source transaction is still materialized whole).
+pub const GROUP_EVENTS: usize = 5_000;
 
 /// What the materializer is doing, for readiness.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,6 +56,10 @@ pub struct MaterializerLimits {
     pub heartbeat: Duration,
     /// The pause before reopening a failed or blocked feed.
     pub retry: Duration,
+    /// At most this many waiting source transactions share one database transaction.
+    pub group_transactions: usize,
+    /// A group stops growing once it holds this many row events.
+    pub group_events: usize,
 }
 
 impl Default for MaterializerLimits {
@@ -58,6 +67,8 @@ impl Default for MaterializerLimits {
         MaterializerLimits {
             heartbeat: Duration::from_secs(1),
             retry: Duration::from_secs(1),
+            group_transactions: GROUP_TRANSACTIONS,
+            group_events: GROUP_EVENTS,
         }
     }
 }
@@ -117,13 +128,15 @@ async fn lead<S: Store>(
 ) -> Result<(), StoreError> {
     let progress = {
         let mut tx = store.begin().await?;
-        tx.capture_progress().await?
+        let p = tx.capture_progress().await?;
+        tx.commit().await?;
+        p
     };
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
     let mut boundary = progress.boundary;
-    let mut durable_end = progress.end_lsn;
+    let mut durable_end: Lsn = progress.end_lsn;
     let mut blocked = progress.quarantine.map(|q| q.problem);
     match &blocked {
         Some(p) => status.send_replace(CaptureStatus::Blocked(p.clone())),
@@ -133,66 +146,77 @@ async fn lead<S: Store>(
         }),
     };
     loop {
-        let source = match timeout(limits.heartbeat, feed.next()).await {
-            Ok(next) => next?,
-            Err(_idle) => {
-                if status.is_closed() {
-                    return Ok(()); // the engine is gone: give up leadership
-                }
-                if blocked.is_none() {
-                    status.send_replace(CaptureStatus::Running {
-                        heartbeat: Instant::now(),
-                        boundary,
-                    });
-                }
-                continue;
+        let Some(first) = feed.next(limits.heartbeat).await? else {
+            if status.is_closed() {
+                return Ok(()); // the engine is gone: give up leadership
             }
-        };
-        let done = match boundary {
-            Boundary::GenerationStart => false,
-            Boundary::TransactionEnd { commit_lsn } => source.commit_lsn <= commit_lsn,
-        };
-        if done {
-            // A redelivery of a durable transaction produces nothing new.
-            feed.acknowledge(durable_end).await?;
-            continue;
-        }
-        let mut tx = store.begin().await?;
-        match step::materialize(&mut tx, model, &source).await {
-            Ok(m) => {
-                tx.materialize(&m).await?;
-                tx.commit().await?;
-                boundary = Boundary::TransactionEnd {
-                    commit_lsn: source.commit_lsn,
-                };
-                durable_end = source.end_lsn;
-                blocked = None;
-                feed.acknowledge(durable_end).await?;
+            if blocked.is_none() {
                 status.send_replace(CaptureStatus::Running {
                     heartbeat: Instant::now(),
                     boundary,
                 });
             }
-            Err(StepError::Store(e)) => return Err(e),
-            Err(StepError::Problem(problem)) => {
-                drop(tx);
-                let mut tx = store.begin().await?;
-                tx.quarantine(&Quarantine {
-                    commit_lsn: source.commit_lsn,
-                    problem: problem.clone(),
-                })
-                .await?;
-                tx.commit().await?;
-                let blocked = CaptureStatus::Blocked(problem.clone());
-                if *status.borrow() != blocked {
-                    tracing::error!(
-                        class = problem.as_str(),
-                        "capture blocked: transaction quarantined"
-                    );
+            continue;
+        };
+        // Group commit: the transactions already waiting, up to a bound,
+        // become one database transaction. Each is still whole: progress
+        // moves only by complete source transactions.
+        let mut group = vec![first];
+        let mut events = group[0].events.len();
+        while group.len() < limits.group_transactions && events < limits.group_events {
+            match feed.next(Duration::ZERO).await? {
+                Some(t) => {
+                    events += t.events.len();
+                    group.push(t);
                 }
-                status.send_replace(blocked);
-                return Ok(());
+                None => break,
             }
+        }
+        // A redelivery of a durable transaction produces nothing new.
+        group.retain(|t| match boundary {
+            Boundary::GenerationStart => true,
+            Boundary::TransactionEnd { commit_lsn } => t.commit_lsn > commit_lsn,
+        });
+        if group.is_empty() {
+            feed.acknowledge(durable_end).await?;
+            continue;
+        }
+        let mut tx = store.begin().await?;
+        let outcome = step::materialize_group(&mut tx, model, &group).await?;
+        if let Some(m) = &outcome.combined {
+            tx.materialize(m).await?;
+        }
+        if let Some((commit_lsn, problem)) = &outcome.problem {
+            tx.quarantine(&Quarantine {
+                commit_lsn: *commit_lsn,
+                problem: problem.clone(),
+            })
+            .await?;
+        }
+        tx.commit().await?;
+        if let Some(m) = &outcome.combined {
+            boundary = Boundary::TransactionEnd {
+                commit_lsn: m.commit_lsn,
+            };
+            durable_end = m.end_lsn;
+            feed.acknowledge(durable_end).await?;
+            blocked = None;
+            status.send_replace(CaptureStatus::Running {
+                heartbeat: Instant::now(),
+                boundary,
+            });
+        }
+        if let Some((_, problem)) = outcome.problem {
+            let blocked_status = CaptureStatus::Blocked(problem.clone());
+            if *status.borrow() != blocked_status {
+                tracing::error!(
+                    class = problem.as_str(),
+                    "capture blocked: transaction quarantined"
+                );
+            }
+            status.send_replace(blocked_status);
+            // Retried from the same transaction when the feed is reopened.
+            return Ok(());
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use protocol::digest::RowIdentity;
+use protocol::digest::{Row, RowIdentity};
 use protocol::json::{Object, Value};
 use protocol::manifest::{Manifest, TableManifest};
 use protocol::value::{self, TypedValue};
@@ -54,7 +54,7 @@ impl Table {
         &self,
         image: &SourceImage,
         base: Option<&Value>,
-    ) -> Result<Value, CaptureProblem> {
+    ) -> Result<(Value, Row), CaptureProblem> {
         let mut row = Object::new();
         for (column, field_id) in &self.fields {
             let ty = self
@@ -75,11 +75,11 @@ impl Table {
             };
             row.insert(field_id.clone(), v);
         }
-        let row = Value::Object(row);
-        self.manifest
-            .decode_row(row.as_object().ok_or(CaptureProblem::InvalidValue)?)
+        let decoded = self
+            .manifest
+            .decode_row(&row)
             .map_err(|_| CaptureProblem::InvalidValue)?;
-        Ok(row)
+        Ok((Value::Object(row), decoded))
     }
 
     /// Whether a wire row is a source tombstone.

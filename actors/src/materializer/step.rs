@@ -1,67 +1,188 @@
-//! One source transaction -> one [`Materialization`]: apply the images to
+//! A group of consecutive source transactions -> one combined
+//! [`Materialization`]. For each transaction, in order: apply the images to
 //! the projections, evaluate membership against the state after the whole
 //! transaction, diff each affected row's scopes, and emit per-scope effects.
 //!
+//! The prior state the group needs is read up front in a few set-based
+//! reads (the group's rows, the dependency rows they touch or are joined
+//! with); each transaction then works on the state its predecessors left.
 //! A row touched several times in one transaction gets its effects once, at
 //! the ordinal of its last event, with its final image: a transaction's
-//! intermediate states were never visible to anyone, and the version of the
-//! final image is the one the version table holds.
+//! intermediate states were never visible to anyone, and the final image's
+//! version is the one the version table holds.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use protocol::digest::{RowDigester, RowIdentity};
+use protocol::digest::{Row, RowDigester, RowIdentity};
 use protocol::ids::{ScopeId, ServerVersion};
 use protocol::json::{self, Value};
 
 use super::model::{Model, Rule, Table};
 use crate::capture::{
-    CaptureProblem, CapturedRow, ChangeKind, DependencyRow, Effect, EffectOp, Materialization,
+    CaptureProblem, CapturedRow, ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization,
     Projection, SourceImage, SourceTransaction,
 };
 use crate::store::{StoreError, StoreTx};
 
-/// A store failure (retry the whole transaction) or a quarantine class.
-#[derive(Debug)]
-pub(crate) enum StepError {
-    Store(StoreError),
-    Problem(CaptureProblem),
+/// What a group produced: the combined writes of the transactions that
+/// materialized, and the first one that could not (which blocks capture).
+pub(crate) struct GroupOutcome {
+    pub combined: Option<Materialization>,
+    pub problem: Option<(Lsn, CaptureProblem)>,
 }
 
-impl From<StoreError> for StepError {
-    fn from(e: StoreError) -> StepError {
-        StepError::Store(e)
+/// The state the group works on: projections and dependency rows as the
+/// last transaction left them (`None` = absent).
+#[derive(Default)]
+struct State {
+    projections: BTreeMap<(String, RowIdentity), Option<Projection>>,
+    dependencies: BTreeMap<(String, String), Option<SourceImage>>,
+}
+
+/// Materializes `group` (consecutive transactions, none yet durable) on the
+/// state `tx` holds.
+pub(crate) async fn materialize_group<T: StoreTx>(
+    tx: &mut T,
+    model: &Model,
+    group: &[SourceTransaction],
+) -> Result<GroupOutcome, StoreError> {
+    let mut state = prefetch(tx, model, group).await?;
+    let mut combined: Option<Materialization> = None;
+    let mut digester = RowDigester::default();
+    for source in group {
+        match materialize(&mut state, model, source, &mut digester) {
+            Ok(m) => match combined.as_mut() {
+                None => combined = Some(m),
+                Some(c) => absorb(c, m),
+            },
+            Err(problem) => {
+                return Ok(GroupOutcome {
+                    combined: combined.map(|c| finish(c, &state)),
+                    problem: Some((source.commit_lsn, problem)),
+                });
+            }
+        }
     }
+    Ok(GroupOutcome {
+        combined: combined.map(|c| finish(c, &state)),
+        problem: None,
+    })
 }
 
-impl From<CaptureProblem> for StepError {
-    fn from(p: CaptureProblem) -> StepError {
-        StepError::Problem(p)
+/// Reads, in a few set-based statements, every prior state the group can touch.
+async fn prefetch<T: StoreTx>(
+    tx: &mut T,
+    model: &Model,
+    group: &[SourceTransaction],
+) -> Result<State, StoreError> {
+    let mut state = State::default();
+    // Dependency rows the group changes, by identity.
+    let mut changed: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+    for e in group.iter().flat_map(|t| &t.events) {
+        if model.impacts.contains_key(&e.relation) {
+            changed
+                .entry(&e.relation)
+                .or_default()
+                .insert(identity_of(&e.identity));
+        }
     }
+    for (relation, ids) in &changed {
+        let ids: Vec<String> = ids.iter().cloned().collect();
+        for d in tx.dependency_rows_by_identity(relation, &ids).await? {
+            state
+                .dependencies
+                .insert((d.relation, d.identity), Some(d.image));
+        }
+        for id in ids {
+            state
+                .dependencies
+                .entry(((*relation).to_owned(), id))
+                .or_insert(None);
+        }
+    }
+    // Registered rows: written ones, and those a dependency change impacts
+    // (through the old image as stored, or any image in the group).
+    let mut keys: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for e in group.iter().flat_map(|t| &t.events) {
+        if let Some(table) = model.tables.get(&e.relation) {
+            if let Some(Some(k)) = e.identity.get(&table.primary_key) {
+                keys.entry(table.manifest.table_id().to_owned())
+                    .or_default()
+                    .insert(k.clone());
+            }
+        } else if let Some(impacts) = model.impacts.get(&e.relation) {
+            let stored = state
+                .dependencies
+                .get(&(e.relation.clone(), identity_of(&e.identity)))
+                .cloned()
+                .flatten();
+            for image in [stored.as_ref(), e.new.as_ref()].into_iter().flatten() {
+                for i in impacts {
+                    if let Some(Some(k)) = image.get(&i.key) {
+                        keys.entry(i.table_id.clone())
+                            .or_default()
+                            .insert(k.clone());
+                    }
+                }
+            }
+        }
+    }
+    for (table_id, ks) in &keys {
+        let Some(table) = model.table(table_id) else {
+            continue;
+        };
+        // A key that is not a valid key value is reported when its event is materialized.
+        let identities: Vec<RowIdentity> = ks
+            .iter()
+            .filter_map(|k| table.identity(k).ok().map(|(_, i)| i))
+            .collect();
+        for id in &identities {
+            state
+                .projections
+                .insert((table_id.clone(), id.clone()), None);
+        }
+        for p in tx.projections(table_id, &identities).await? {
+            state
+                .projections
+                .insert((p.table_id.clone(), p.identity.clone()), Some(p));
+        }
+        // The dependency rows joined to these rows, for membership.
+        for rule in &table.rules {
+            if let Rule::Via { via, key, .. } = rule {
+                let values: Vec<String> = ks.iter().cloned().collect();
+                for d in tx.dependency_rows(via, key, &values).await? {
+                    state
+                        .dependencies
+                        .entry((d.relation, d.identity))
+                        .or_insert(Some(d.image));
+                }
+            }
+        }
+    }
+    Ok(state)
 }
 
-/// The state of one registered row during the transaction.
+/// The state of one registered row during a transaction.
 struct RowState {
     table_id: String,
     key: String,
     wire_key: Value,
     before: Option<Projection>,
     /// `Some(None)` after a delete; `None` while untouched.
-    after: Option<Option<(Value, ServerVersion)>>,
+    after: Option<Option<(Value, Row, ServerVersion)>>,
     /// The ordinal of the last event that touched or impacted the row.
     ordinal: u64,
 }
 
-/// The dependency rows this transaction changed: (relation, identity) -> image after.
-type DependencyOverlay = BTreeMap<(String, String), Option<SourceImage>>;
-
-/// Builds the durable outcome of `source`, reading prior state through `tx`.
-pub(crate) async fn materialize<T: StoreTx>(
-    tx: &mut T,
+/// Materializes one transaction on `state`, leaving the state after it.
+fn materialize(
+    state: &mut State,
     model: &Model,
     source: &SourceTransaction,
-) -> Result<Materialization, StepError> {
+    digester: &mut RowDigester,
+) -> Result<Materialization, CaptureProblem> {
     if let Some(p) = &source.problem {
-        return Err(p.clone().into());
+        return Err(p.clone());
     }
     let mut notes: BTreeMap<(String, String), VecDeque<_>> = BTreeMap::new();
     for n in &source.notes {
@@ -71,7 +192,7 @@ pub(crate) async fn materialize<T: StoreTx>(
             .push_back(n);
     }
     let mut rows: BTreeMap<(String, RowIdentity), RowState> = BTreeMap::new();
-    let mut deps = DependencyOverlay::new();
+    let mut changed_dependencies = BTreeSet::new();
     let mut fences = Vec::new();
 
     for (ordinal, event) in source.events.iter().enumerate() {
@@ -87,8 +208,8 @@ pub(crate) async fn materialize<T: StoreTx>(
             if let Some(new) = &event.new
                 && new.get(&table.primary_key) != Some(&Some(key.clone()))
             {
-                // The BEFORE UPDATE guard forbids key changes: the relation drifted.
-                return Err(CaptureProblem::RelationDrift.into());
+                // The key guard forbids key changes: the relation drifted.
+                return Err(CaptureProblem::RelationDrift);
             }
             let note = notes
                 .get_mut(&(table_id.to_owned(), key.clone()))
@@ -97,39 +218,33 @@ pub(crate) async fn materialize<T: StoreTx>(
             fences.push(note.fence);
             let version =
                 ServerVersion::parse(&note.version).ok_or(CaptureProblem::VersionNoteMismatch)?;
-            let state = row_state(tx, &mut rows, table, &key).await?;
-            state.ordinal = ordinal;
-            state.after = Some(match (&event.kind, &event.new) {
+            let row = row_state(state, &mut rows, table, &key)?;
+            row.ordinal = ordinal;
+            row.after = Some(match (&event.kind, &event.new) {
                 (ChangeKind::Delete, _) => None,
                 (_, Some(new)) => {
-                    let base = match &state.after {
-                        Some(after) => after.as_ref().map(|(row, _)| row),
-                        None => state.before.as_ref().map(|p| &p.row),
+                    let base = match &row.after {
+                        Some(after) => after.as_ref().map(|(r, _, _)| r),
+                        None => row.before.as_ref().map(|p| &p.row),
                     };
-                    Some((table.wire_row(new, base)?, version))
+                    let (wire, decoded) = table.wire_row(new, base)?;
+                    Some((wire, decoded, version))
                 }
-                (_, None) => return Err(CaptureProblem::Undecodable.into()),
+                (_, None) => return Err(CaptureProblem::Undecodable),
             });
         } else if let Some(impacts) = model.impacts.get(&event.relation) {
-            let old_id = identity_of(&event.identity);
-            let old = match deps.get(&(event.relation.clone(), old_id.clone())) {
-                Some(image) => image.clone(),
-                None => tx
-                    .dependency_row(&event.relation, &old_id)
-                    .await?
-                    .map(|d| d.image),
-            };
-            deps.insert((event.relation.clone(), old_id), None);
+            let old_slot = (event.relation.clone(), identity_of(&event.identity));
+            let old = state.dependencies.insert(old_slot.clone(), None).flatten();
+            changed_dependencies.insert(old_slot);
             if let Some(new) = &event.new {
                 let id_columns: SourceImage = event
                     .identity
                     .keys()
                     .map(|c| (c.clone(), new.get(c).cloned().flatten()))
                     .collect();
-                deps.insert(
-                    (event.relation.clone(), identity_of(&id_columns)),
-                    Some(new.clone()),
-                );
+                let slot = (event.relation.clone(), identity_of(&id_columns));
+                state.dependencies.insert(slot.clone(), Some(new.clone()));
+                changed_dependencies.insert(slot);
             }
             for impact in impacts {
                 let table = model
@@ -137,16 +252,16 @@ pub(crate) async fn materialize<T: StoreTx>(
                     .ok_or(CaptureProblem::RelationDrift)?;
                 for image in [old.as_ref(), event.new.as_ref()].into_iter().flatten() {
                     if let Some(Some(key)) = image.get(&impact.key) {
-                        let state = row_state(tx, &mut rows, table, key).await?;
-                        state.ordinal = state.ordinal.max(ordinal);
+                        let row = row_state(state, &mut rows, table, key)?;
+                        row.ordinal = row.ordinal.max(ordinal);
                     }
                 }
             }
         }
-        // Other relations are not in the publication; nothing to do.
+        // Other relations are not published; nothing else arrives.
     }
     if notes.values().any(|q| !q.is_empty()) {
-        return Err(CaptureProblem::VersionNoteMismatch.into());
+        return Err(CaptureProblem::VersionNoteMismatch);
     }
 
     let mut out = Materialization {
@@ -155,60 +270,62 @@ pub(crate) async fn materialize<T: StoreTx>(
         fences,
         ..Materialization::default()
     };
-    for ((relation, identity), image) in &deps {
-        match image {
+    for slot in changed_dependencies {
+        match state.dependencies.get(&slot).cloned().flatten() {
             Some(image) => out.put_dependencies.push(DependencyRow {
-                relation: relation.clone(),
-                identity: identity.clone(),
-                image: image.clone(),
+                relation: slot.0,
+                identity: slot.1,
+                image,
             }),
-            None => out
-                .removed_dependencies
-                .push((relation.clone(), identity.clone())),
+            None => out.removed_dependencies.push(slot),
         }
     }
-    let mut digester = RowDigester::default();
-    for ((_, identity), state) in rows {
+    for ((_, identity), mut row) in rows {
         let table = model
-            .table(&state.table_id)
+            .table(&row.table_id)
             .ok_or(CaptureProblem::RelationDrift)?;
-        let touched = state.after.is_some();
-        let after = match state.after.clone() {
-            Some(after) => after,
-            None => state
+        let touched = row.after.is_some();
+        let touched_after = row.after.take();
+        let after = match touched_after {
+            Some(after) => after.map(|(wire, decoded, v)| (wire, Some(decoded), v)),
+            None => row
                 .before
                 .as_ref()
-                .map(|p| (p.row.clone(), p.version.clone())),
+                .map(|p| (p.row.clone(), None, p.version.clone())),
         };
-        let old_scopes = state
+        let old_scopes = row
             .before
             .as_ref()
             .map(|p| p.scopes.clone())
             .unwrap_or_default();
-        let Some((row, version)) = after else {
+        let slot = (row.table_id.clone(), identity.clone());
+        let Some((wire, decoded, version)) = after else {
             for scope in &old_scopes {
                 out.effects.push(effect(
                     scope,
-                    &state,
+                    &row,
                     &identity,
                     EffectOp::Delete(None),
                     source,
                 ));
             }
-            if state.before.is_some() {
-                out.removed_projections
-                    .push((state.table_id.clone(), identity.clone()));
+            if row.before.is_some() {
+                out.removed_projections.push(slot.clone());
             }
+            state.projections.insert(slot, None);
             continue;
         };
-        let scopes = membership(tx, table, &row, &deps).await?;
+        let scopes = membership(state, table, &wire)?;
         if !touched && scopes == old_scopes {
             continue;
         }
-        let decoded = row
-            .as_object()
-            .and_then(|o| table.manifest.decode_row(o).ok())
-            .ok_or(CaptureProblem::InvalidValue)?;
+        let decoded = match decoded {
+            Some(d) => d,
+            None => wire
+                .as_object()
+                .and_then(|o| table.manifest.decode_row(o).ok())
+                .ok_or(CaptureProblem::InvalidValue)?,
+        };
         let digest = digester.digest(
             &model.manifest.hash(),
             &table.manifest,
@@ -216,9 +333,9 @@ pub(crate) async fn materialize<T: StoreTx>(
             &decoded,
             &version,
         );
-        let tombstone = table.is_tombstone(&row);
+        let tombstone = table.is_tombstone(&wire);
         let captured = CapturedRow {
-            row: json::to_canonical_string(&row),
+            row: json::to_canonical_string(&wire),
             version: version.clone(),
             digest,
         };
@@ -229,73 +346,63 @@ pub(crate) async fn materialize<T: StoreTx>(
                 } else {
                     EffectOp::Upsert(captured.clone())
                 };
-                out.effects
-                    .push(effect(scope, &state, &identity, op, source));
+                out.effects.push(effect(scope, &row, &identity, op, source));
             }
         }
         for scope in old_scopes.difference(&scopes) {
             out.effects.push(effect(
                 scope,
-                &state,
+                &row,
                 &identity,
                 EffectOp::Delete(None),
                 source,
             ));
         }
-        out.put_projections.push(Projection {
-            table_id: state.table_id.clone(),
+        let projection = Projection {
+            table_id: row.table_id.clone(),
             identity,
-            key: state.key.clone(),
-            row,
+            key: row.key.clone(),
+            row: wire,
             version,
             digest,
             schema_version: model.manifest.schema_version(),
             tombstone,
             scopes,
-        });
+        };
+        state.projections.insert(slot, Some(projection.clone()));
+        out.put_projections.push(projection);
     }
     number_effects(&mut out.effects);
     Ok(out)
 }
 
-/// The row's state, loading its projection the first time it is seen.
-async fn row_state<'a, T: StoreTx>(
-    tx: &mut T,
+/// The row's state in this transaction, starting from what the group left.
+fn row_state<'a>(
+    state: &State,
     rows: &'a mut BTreeMap<(String, RowIdentity), RowState>,
     table: &Table,
     key: &str,
-) -> Result<&'a mut RowState, StepError> {
+) -> Result<&'a mut RowState, CaptureProblem> {
     let table_id = table.manifest.table_id().to_owned();
     let (wire_key, identity) = table.identity(key)?;
-    let slot = (table_id.clone(), identity.clone());
-    if !rows.contains_key(&slot) {
-        let before = tx
-            .projections(&table_id, std::slice::from_ref(&identity))
-            .await?
-            .pop();
-        rows.insert(
-            slot.clone(),
-            RowState {
-                table_id,
-                key: key.to_owned(),
-                wire_key,
-                before,
-                after: None,
-                ordinal: 0,
-            },
-        );
-    }
-    rows.get_mut(&slot)
-        .ok_or(StepError::Problem(CaptureProblem::MissingProjection))
+    let slot = (table_id.clone(), identity);
+    let before = state.projections.get(&slot).cloned().flatten();
+    Ok(rows.entry(slot).or_insert_with(|| RowState {
+        table_id,
+        key: key.to_owned(),
+        wire_key,
+        before,
+        after: None,
+        ordinal: 0,
+    }))
 }
 
 /// The scopes of a row whose state after the transaction is `row`.
-async fn membership<T: StoreTx>(
-    tx: &mut T,
+fn membership(
+    state: &State,
     table: &Table,
     row: &Value,
-    deps: &DependencyOverlay,
-) -> Result<BTreeSet<ScopeId>, StepError> {
+) -> Result<BTreeSet<ScopeId>, CaptureProblem> {
     let mut scopes = BTreeSet::new();
     let mut add = |rendered: Option<String>| -> Result<(), CaptureProblem> {
         if let Some(s) = rendered {
@@ -311,27 +418,16 @@ async fn membership<T: StoreTx>(
                 let Some(own) = table.render_value(row, &table.primary_key) else {
                     continue;
                 };
-                let mut images: BTreeMap<String, SourceImage> = tx
-                    .dependency_rows(via, key, std::slice::from_ref(&own))
-                    .await?
-                    .into_iter()
-                    .map(|d| (d.identity, d.image))
-                    .collect();
-                for ((relation, identity), image) in deps {
-                    if relation != via {
-                        continue;
+                let rows = state
+                    .dependencies
+                    .range((via.clone(), String::new())..)
+                    .take_while(|((r, _), _)| r == via);
+                for (_, image) in rows {
+                    if let Some(image) = image
+                        && image.get(key) == Some(&Some(own.clone()))
+                    {
+                        add(template.render(|c| image.get(c).cloned().flatten()))?;
                     }
-                    match image {
-                        Some(image) if image.get(key) == Some(&Some(own.clone())) => {
-                            images.insert(identity.clone(), image.clone());
-                        }
-                        _ => {
-                            images.remove(identity);
-                        }
-                    }
-                }
-                for image in images.values() {
-                    add(template.render(|c| image.get(c).cloned().flatten()))?;
                 }
             }
         }
@@ -341,7 +437,7 @@ async fn membership<T: StoreTx>(
 
 fn effect(
     scope: &ScopeId,
-    state: &RowState,
+    row: &RowState,
     identity: &RowIdentity,
     op: EffectOp,
     source: &SourceTransaction,
@@ -349,11 +445,11 @@ fn effect(
     Effect {
         scope: scope.clone(),
         commit_lsn: source.commit_lsn,
-        event_ordinal: state.ordinal,
+        event_ordinal: row.ordinal,
         effect_ordinal: 0,
-        table_id: state.table_id.clone(),
+        table_id: row.table_id.clone(),
         identity: identity.clone(),
-        key: state.wire_key.clone(),
+        key: row.wire_key.clone(),
         op,
     }
 }
@@ -384,6 +480,52 @@ fn number_effects(effects: &mut [Effect]) {
         e.effect_ordinal = next;
         next += 1;
     }
+}
+
+/// Adds a later transaction's writes to the combined ones.
+fn absorb(c: &mut Materialization, m: Materialization) {
+    c.commit_lsn = m.commit_lsn;
+    c.end_lsn = m.end_lsn;
+    c.put_projections.extend(m.put_projections);
+    c.removed_projections.extend(m.removed_projections);
+    c.put_dependencies.extend(m.put_dependencies);
+    c.removed_dependencies.extend(m.removed_dependencies);
+    c.effects.extend(m.effects);
+    c.fences.extend(m.fences);
+}
+
+/// Each projection and dependency row the group wrote, as the last
+/// transaction left it: written once.
+fn finish(mut c: Materialization, state: &State) -> Materialization {
+    let rows: BTreeSet<(String, RowIdentity)> = c
+        .put_projections
+        .drain(..)
+        .map(|p| (p.table_id, p.identity))
+        .chain(c.removed_projections.drain(..))
+        .collect();
+    for slot in rows {
+        match state.projections.get(&slot).cloned().flatten() {
+            Some(p) => c.put_projections.push(p),
+            None => c.removed_projections.push(slot),
+        }
+    }
+    let dependencies: BTreeSet<(String, String)> = c
+        .put_dependencies
+        .drain(..)
+        .map(|d| (d.relation, d.identity))
+        .chain(c.removed_dependencies.drain(..))
+        .collect();
+    for slot in dependencies {
+        match state.dependencies.get(&slot).cloned().flatten() {
+            Some(image) => c.put_dependencies.push(DependencyRow {
+                relation: slot.0,
+                identity: slot.1,
+                image,
+            }),
+            None => c.removed_dependencies.push(slot),
+        }
+    }
+    c
 }
 
 /// Canonical JSON of identity columns: the dependency row's key.

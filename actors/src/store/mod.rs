@@ -127,12 +127,12 @@ pub trait StoreTx: Send {
         rows: &[RowIdentity],
     ) -> impl Future<Output = Result<Vec<Projection>, StoreError>> + Send;
 
-    /// The dependency row with this identity.
-    fn dependency_row(
+    /// The dependency rows with these identities that exist.
+    fn dependency_rows_by_identity(
         &mut self,
         relation: &str,
-        identity: &str,
-    ) -> impl Future<Output = Result<Option<DependencyRow>, StoreError>> + Send;
+        identities: &[String],
+    ) -> impl Future<Output = Result<Vec<DependencyRow>, StoreError>> + Send;
 
     /// The dependency rows whose `column` has one of `values`.
     fn dependency_rows(

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use protocol::digest::RowIdentity;
 use protocol::ids::ScopeId;
@@ -479,7 +480,8 @@ impl Drop for MemFeed {
 }
 
 impl ChangeFeed for MemFeed {
-    async fn next(&mut self) -> Result<SourceTransaction, StoreError> {
+    async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             {
                 let mut state = self.store.state.lock().await;
@@ -491,12 +493,15 @@ impl ChangeFeed for MemFeed {
                 if let Some(t) = next.cloned() {
                     self.delivered_end = t.end_lsn;
                     state.capture.deliveries += 1;
-                    return Ok(t);
+                    return Ok(Some(t));
                 }
                 self.log_len.mark_unchanged();
             }
-            if self.log_len.changed().await.is_err() {
-                return Err(StoreError::Unavailable("the store is gone".into()));
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match tokio::time::timeout(left, self.log_len.changed()).await {
+                Err(_) => return Ok(None),
+                Ok(Err(_)) => return Err(StoreError::Unavailable("the store is gone".into())),
+                Ok(Ok(())) => {}
             }
         }
     }

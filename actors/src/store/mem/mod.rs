@@ -254,12 +254,15 @@ impl StoreTx for MemTx {
         Ok(MemTx::projections(self, table_id, rows))
     }
 
-    async fn dependency_row(
+    async fn dependency_rows_by_identity(
         &mut self,
         relation: &str,
-        identity: &str,
-    ) -> Result<Option<DependencyRow>, StoreError> {
-        Ok(MemTx::dependency_row(self, relation, identity))
+        identities: &[String],
+    ) -> Result<Vec<DependencyRow>, StoreError> {
+        Ok(identities
+            .iter()
+            .filter_map(|i| MemTx::dependency_row(self, relation, i))
+            .collect())
     }
 
     async fn dependency_rows(
