@@ -45,6 +45,12 @@ pub struct CaptureConfig {
     /// A group stops growing at this many row events.
     #[serde(default = "default_group_events")]
     pub group_events: usize,
+    /// Readiness turns false when capture has not been caught up for this long (milliseconds).
+    #[serde(default = "default_max_lag_ms")]
+    pub max_lag_ms: u64,
+    /// Readiness turns false when this much source WAL is not yet materialized.
+    #[serde(default = "default_max_lag_bytes")]
+    pub max_lag_bytes: u64,
 }
 
 impl Default for CaptureConfig {
@@ -55,8 +61,18 @@ impl Default for CaptureConfig {
             retry_ms: default_retry_ms(),
             group_transactions: default_group_transactions(),
             group_events: default_group_events(),
+            max_lag_ms: default_max_lag_ms(),
+            max_lag_bytes: default_max_lag_bytes(),
         }
     }
+}
+
+fn default_max_lag_ms() -> u64 {
+    60_000
+}
+
+fn default_max_lag_bytes() -> u64 {
+    1 << 30
 }
 
 fn default_group_transactions() -> usize {
@@ -420,10 +436,14 @@ impl SyncConfig {
             ("heartbeat_ms", c.heartbeat_ms),
             ("max_heartbeat_age_ms", c.max_heartbeat_age_ms),
             ("retry_ms", c.retry_ms),
+            ("max_lag_ms", c.max_lag_ms),
         ] {
             if !(1..=3_600_000).contains(&v) {
                 return err(format!("capture.{name} must be 1..=3600000"));
             }
+        }
+        if !(1..=1 << 40).contains(&c.max_lag_bytes) {
+            return err("capture.max_lag_bytes must be 1..=1099511627776");
         }
         if !(1..=100_000).contains(&c.group_transactions)
             || !(1..=1_000_000).contains(&c.group_events)
@@ -879,6 +899,14 @@ mod validation_tests {
                 )
             },
             "capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms",
+        );
+        rejects(
+            |s| s.replace("[server]", "[capture]\nmax_lag_bytes = 0\n\n[server]"),
+            "capture.max_lag_bytes must be 1..=1099511627776",
+        );
+        rejects(
+            |s| s.replace("[server]", "[capture]\ngroup_events = 0\n\n[server]"),
+            "capture.group_transactions must be 1..=100000 and capture.group_events 1..=1000000",
         );
         rejects(
             |s| {

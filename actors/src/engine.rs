@@ -76,6 +76,8 @@ pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
     capture: watch::Receiver<CaptureStatus>,
     max_heartbeat_age: Duration,
+    max_lag: Duration,
+    max_lag_bytes: u64,
 }
 
 /// How many requests may wait for the registry before callers wait too.
@@ -143,6 +145,8 @@ impl Engine {
             registry: tx,
             capture,
             max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
+            max_lag: Duration::from_millis(config.capture.max_lag_ms),
+            max_lag_bytes: config.capture.max_lag_bytes,
         })
     }
 
@@ -180,14 +184,14 @@ impl Engine {
     }
 
     /// Whether the registry runs, the store answers, and capture is
-    /// running with a fresh heartbeat.
+    /// running with a fresh heartbeat and within its lag limits.
     pub async fn ready(&self) -> bool {
-        let capture = match &*self.capture.borrow() {
-            CaptureStatus::Running { heartbeat, .. } => {
-                heartbeat.elapsed() <= self.max_heartbeat_age
-            }
-            _ => false,
-        };
+        let capture = self.capture.borrow().is_ready(
+            tokio::time::Instant::now(),
+            self.max_heartbeat_age,
+            self.max_lag,
+            self.max_lag_bytes,
+        );
         capture
             && self
                 .ask(|reply| RegistryMsg::Ready { reply })

@@ -65,8 +65,10 @@ enum Answer {
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
-    /// A feed: opened (leader), refused (standby), or its next transaction if one came.
+    /// A feed: opened (leader) or refused (standby).
     Feed(Result<Option<Box<SourceTransaction>>, StoreError>),
+    /// The next transaction if one came, and the feed's source end.
+    FeedNext(Result<(Option<Box<SourceTransaction>>, Lsn), StoreError>),
 }
 
 /// One operation on a change feed held open on the database node.
@@ -195,8 +197,8 @@ async fn serve_feed(
         };
         let answer = match op {
             FeedOp::Next(wait) => match feed.next(wait.min(FEED_POLL)).await {
-                Ok(t) => Answer::Feed(Ok(t.map(Box::new))),
-                Err(e) => Answer::Feed(Err(e)),
+                Ok(t) => Answer::FeedNext(Ok((t.map(Box::new), feed.source_end()))),
+                Err(e) => Answer::FeedNext(Err(e)),
             },
             FeedOp::Acknowledge(end) => Answer::Unit(feed.acknowledge(end).await),
         };
@@ -382,7 +384,12 @@ impl Store for RemoteStore {
             .await
             .map_err(|_| lost())?;
         match answer(&ep, 0).await?.ok_or_else(lost)? {
-            Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed { ep, id, seq: 0 })),
+            Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed {
+                ep,
+                id,
+                seq: 0,
+                source_end: 0,
+            })),
             Answer::Feed(Ok(None)) => Ok(None),
             Answer::Feed(Err(e)) => Err(e),
             _ => Err(mismatch()),
@@ -429,6 +436,7 @@ pub struct RemoteFeed {
     ep: Endpoint,
     id: u64,
     seq: u64,
+    source_end: Lsn,
 }
 
 impl RemoteFeed {
@@ -453,14 +461,21 @@ impl ChangeFeed for RemoteFeed {
         let deadline = Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.call(FeedOp::Next(left)).await? {
-                Answer::Feed(Ok(Some(t))) => return Ok(Some(*t)),
-                Answer::Feed(Ok(None)) if Instant::now() >= deadline => return Ok(None),
-                Answer::Feed(Ok(None)) => continue,
-                Answer::Feed(Err(e)) => return Err(e),
+            let next = match self.call(FeedOp::Next(left)).await? {
+                Answer::FeedNext(r) => r?,
                 _ => return Err(mismatch()),
+            };
+            self.source_end = self.source_end.max(next.1);
+            match next.0 {
+                Some(t) => return Ok(Some(*t)),
+                None if Instant::now() >= deadline => return Ok(None),
+                None => continue,
             }
         }
+    }
+
+    fn source_end(&self) -> Lsn {
+        self.source_end
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {

@@ -220,6 +220,8 @@ pub struct PgFeed {
     /// The transaction being assembled: kept across `next` calls, so a
     /// call that ends in the middle of a transaction loses nothing.
     open: Option<SourceTransaction>,
+    /// The server's WAL end as its last message reported it.
+    server_wal_end: Lsn,
     plan_relations: BTreeSet<String>,
     registered: BTreeMap<String, String>,
 }
@@ -276,6 +278,7 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         _leader: leader,
         relations: BTreeMap::new(),
         open: None,
+        server_wal_end: 0,
         plan_relations: plan.relations().map(str::to_owned).collect(),
         registered: plan
             .tables
@@ -424,6 +427,11 @@ impl ChangeFeed for PgFeed {
                     })?
                     .ok_or_else(|| StoreError::Unavailable("replication stream ended".into()))?,
             };
+            if let ReplicationEvent::KeepAlive { wal_end, .. }
+            | ReplicationEvent::XLogData { wal_end, .. } = &event
+            {
+                self.server_wal_end = self.server_wal_end.max(u64::from(*wal_end));
+            }
             let mut open = self.open.take();
             match event {
                 ReplicationEvent::Begin { .. } => {
@@ -469,6 +477,10 @@ impl ChangeFeed for PgFeed {
             }
             self.open = open;
         }
+    }
+
+    fn source_end(&self) -> Lsn {
+        self.server_wal_end
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {

@@ -160,6 +160,9 @@ pub trait ChangeFeed: Send {
         wait: Duration,
     ) -> impl Future<Output = Result<Option<SourceTransaction>, StoreError>> + Send;
 
+    /// The newest source WAL position the feed knows of (for lag in bytes).
+    fn source_end(&self) -> Lsn;
+
     /// Everything through `end_lsn` is durable: the store may forget it.
     fn acknowledge(&mut self, end_lsn: Lsn) -> impl Future<Output = Result<(), StoreError>> + Send;
 }

@@ -37,16 +37,46 @@ pub enum CaptureStatus {
     Starting,
     /// Another process holds leadership.
     Standby,
-    /// Reading and materializing; `heartbeat` is the last time it made progress
-    /// or found the feed idle.
+    /// Reading and materializing.
     Running {
+        /// The last time it made progress or found the feed idle.
         heartbeat: Instant,
         boundary: Boundary,
+        /// The last time nothing was waiting in the feed.
+        caught_up: Instant,
+        /// Source WAL known to the feed and not yet durable here.
+        lag_bytes: u64,
     },
     /// A quarantined transaction blocks capture.
     Blocked(CaptureProblem),
     /// The store or the feed failed; retrying.
     Unavailable,
+}
+
+impl CaptureStatus {
+    /// Whether capture keeps up: running, heartbeat within `max_heartbeat_age`,
+    /// caught up within `max_lag`, and at most `max_lag_bytes` behind.
+    pub fn is_ready(
+        &self,
+        now: Instant,
+        max_heartbeat_age: Duration,
+        max_lag: Duration,
+        max_lag_bytes: u64,
+    ) -> bool {
+        match self {
+            CaptureStatus::Running {
+                heartbeat,
+                caught_up,
+                lag_bytes,
+                ..
+            } => {
+                now.saturating_duration_since(*heartbeat) <= max_heartbeat_age
+                    && now.saturating_duration_since(*caught_up) <= max_lag
+                    && *lag_bytes <= max_lag_bytes
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Finite limits of the materializer loop.
@@ -138,23 +168,29 @@ async fn lead<S: Store>(
     let mut boundary = progress.boundary;
     let mut durable_end: Lsn = progress.end_lsn;
     let mut blocked = progress.quarantine.map(|q| q.problem);
+    let mut caught_up = Instant::now();
+    let running = |boundary: Boundary, caught_up: Instant, lag_bytes: u64| CaptureStatus::Running {
+        heartbeat: Instant::now(),
+        boundary,
+        caught_up,
+        lag_bytes,
+    };
     match &blocked {
         Some(p) => status.send_replace(CaptureStatus::Blocked(p.clone())),
-        None => status.send_replace(CaptureStatus::Running {
-            heartbeat: Instant::now(),
+        None => status.send_replace(running(
             boundary,
-        }),
+            caught_up,
+            feed.source_end().saturating_sub(durable_end),
+        )),
     };
     loop {
         let Some(first) = feed.next(limits.heartbeat).await? else {
             if status.is_closed() {
                 return Ok(()); // the engine is gone: give up leadership
             }
+            caught_up = Instant::now();
             if blocked.is_none() {
-                status.send_replace(CaptureStatus::Running {
-                    heartbeat: Instant::now(),
-                    boundary,
-                });
+                status.send_replace(running(boundary, caught_up, 0));
             }
             continue;
         };
@@ -163,13 +199,17 @@ async fn lead<S: Store>(
         // moves only by complete source transactions.
         let mut group = vec![first];
         let mut events = group[0].events.len();
+        let mut drained = false;
         while group.len() < limits.group_transactions && events < limits.group_events {
             match feed.next(Duration::ZERO).await? {
                 Some(t) => {
                     events += t.events.len();
                     group.push(t);
                 }
-                None => break,
+                None => {
+                    drained = true;
+                    break;
+                }
             }
         }
         // A redelivery of a durable transaction produces nothing new.
@@ -201,10 +241,11 @@ async fn lead<S: Store>(
             durable_end = m.end_lsn;
             feed.acknowledge(durable_end).await?;
             blocked = None;
-            status.send_replace(CaptureStatus::Running {
-                heartbeat: Instant::now(),
-                boundary,
-            });
+            if drained {
+                caught_up = Instant::now();
+            }
+            let lag = feed.source_end().saturating_sub(durable_end);
+            status.send_replace(running(boundary, caught_up, lag));
         }
         if let Some((_, problem)) = outcome.problem {
             let blocked_status = CaptureStatus::Blocked(problem.clone());
@@ -217,6 +258,47 @@ async fn lead<S: Store>(
             status.send_replace(blocked_status);
             // Retried from the same transaction when the feed is reopened.
             return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn readiness_follows_heartbeat_and_lag_limits() {
+        let now = Instant::now();
+        let secs = Duration::from_secs;
+        let running =
+            |heartbeat: Duration, caught_up: Duration, lag_bytes| CaptureStatus::Running {
+                heartbeat: now - heartbeat,
+                boundary: Boundary::GenerationStart,
+                caught_up: now - caught_up,
+                lag_bytes,
+            };
+        let ready = |s: &CaptureStatus| s.is_ready(now, secs(10), secs(60), 1000);
+        assert!(ready(&running(secs(1), secs(1), 0)));
+        assert!(
+            ready(&running(secs(10), secs(60), 1000)),
+            "limits are inclusive"
+        );
+        assert!(!ready(&running(secs(11), secs(1), 0)), "stale heartbeat");
+        assert!(
+            !ready(&running(secs(1), secs(61), 0)),
+            "behind for too long"
+        );
+        assert!(
+            !ready(&running(secs(1), secs(1), 1001)),
+            "too many bytes behind"
+        );
+        for other in [
+            CaptureStatus::Starting,
+            CaptureStatus::Standby,
+            CaptureStatus::Unavailable,
+            CaptureStatus::Blocked(CaptureProblem::Truncate),
+        ] {
+            assert!(!ready(&other), "{other:?}");
         }
     }
 }

@@ -285,10 +285,17 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     let dave = effects(&store, "user:dave").await;
     assert_eq!(summary(&manifest, &dave), [format!("upsert {}", n(N4))]);
     assert_eq!(field(&dave[0], "fld_notes_owner"), Value::string("dave"));
-    assert!(matches!(
-        engine.capture_status(),
-        CaptureStatus::Running { .. }
-    ));
+    // Idle and caught up: no lag.
+    for _ in 0..400 {
+        if let CaptureStatus::Running { lag_bytes: 0, .. } = engine.capture_status() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "capture never reported zero lag: {:?}",
+        engine.capture_status()
+    );
 }
 
 /// TRUNCATE of a registered relation quarantines its transaction and

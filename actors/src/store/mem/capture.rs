@@ -458,6 +458,8 @@ pub struct MemFeed {
     delivered_end: Lsn,
     log_len: watch::Receiver<usize>,
     leader: Arc<AtomicBool>,
+    /// The end of the newest committed source transaction seen.
+    source_end: Lsn,
 }
 
 impl MemFeed {
@@ -469,6 +471,7 @@ impl MemFeed {
             delivered_end,
             log_len,
             leader,
+            source_end: delivered_end,
         }
     }
 }
@@ -490,6 +493,11 @@ impl ChangeFeed for MemFeed {
                     .log
                     .iter()
                     .find(|t| t.end_lsn > self.delivered_end);
+                self.source_end = state
+                    .capture
+                    .log
+                    .last()
+                    .map_or(self.source_end, |t| t.end_lsn);
                 if let Some(t) = next.cloned() {
                     self.delivered_end = t.end_lsn;
                     state.capture.deliveries += 1;
@@ -504,6 +512,10 @@ impl ChangeFeed for MemFeed {
                 Ok(Ok(())) => {}
             }
         }
+    }
+
+    fn source_end(&self) -> Lsn {
+        self.source_end
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
