@@ -3,7 +3,7 @@
 
 use actors::capture::{Lsn, SourceImage};
 use actors::store::{MemStore, Store, StoreTx};
-use actors::testkit::{CaptureWorld, Write, capture_suite, truncate_blocks};
+use actors::testkit::{CaptureWorld, Write, capture_suite, repair_resumes, truncate_blocks};
 
 struct Mem {
     store: MemStore,
@@ -55,6 +55,14 @@ impl CaptureWorld for Mem {
 #[tokio::test]
 async fn direct_writes_become_per_scope_effects() {
     capture_suite(&Mem {
+        store: MemStore::new(),
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_repair_resumes_capture_from_the_blocked_transaction() {
+    repair_resumes(&Mem {
         store: MemStore::new(),
     })
     .await;

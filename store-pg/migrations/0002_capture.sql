@@ -35,6 +35,14 @@ CREATE TABLE synchro.capture_progress (
 );
 INSERT INTO synchro.capture_progress DEFAULT VALUES;
 
+-- Every materialized source transaction; its events are (commit_lsn, 0..row_events).
+-- The primary key is a second guard against materializing one twice.
+CREATE TABLE synchro.source_transactions (
+    commit_lsn  bigint PRIMARY KEY,
+    end_lsn     bigint NOT NULL CHECK (end_lsn > commit_lsn),
+    row_events  bigint NOT NULL CHECK (row_events >= 0)
+);
+
 -- The captured state of every registered row: the complete synced row
 -- (canonical JSON), its version and digest, and its scopes.
 CREATE TABLE synchro.projections (

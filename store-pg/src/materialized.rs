@@ -266,6 +266,29 @@ impl PgTx {
                 "materialization must advance progress".into(),
             ));
         }
+        let t = &m.transactions;
+        sqlx::query(
+            "INSERT INTO synchro.source_transactions (commit_lsn, end_lsn, row_events) \
+             SELECT * FROM UNNEST($1::int8[], $2::int8[], $3::int8[])",
+        )
+        .bind(
+            t.iter()
+                .map(|t| to_i64(t.commit_lsn))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+        .bind(
+            t.iter()
+                .map(|t| to_i64(t.end_lsn))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+        .bind(
+            t.iter()
+                .map(|t| to_i64(t.row_events))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
         if !m.put_projections.is_empty() {
             let p = &m.put_projections;
             let scopes: Vec<String> = p

@@ -6,7 +6,7 @@
 use actors::capture::{CaptureProblem, Lsn};
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
-use actors::testkit::{CaptureWorld, Write, capture_suite, truncate_blocks};
+use actors::testkit::{CaptureWorld, Write, capture_suite, repair_resumes, truncate_blocks};
 use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
 use store_pg::{PgStore, example_store};
@@ -109,6 +109,11 @@ async fn capture_on_postgres() {
         store: example_store(&cluster, "truncate").await,
     };
     truncate_blocks(&truncated).await;
+
+    let repaired = Pg {
+        store: example_store(&cluster, "repair").await,
+    };
+    repair_resumes(&repaired).await;
 }
 
 async fn wait_status(engine: &actors::Engine, want: fn(&CaptureStatus) -> bool, what: &str) {

@@ -297,11 +297,24 @@ impl Effect {
     }
 }
 
-/// Everything one source transaction makes durable, written atomically.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Materialization {
+/// The identity of one materialized source transaction: its events are
+/// `(commit_lsn, 0..row_events)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaterializedTransaction {
     pub commit_lsn: Lsn,
     pub end_lsn: Lsn,
+    pub row_events: u64,
+}
+
+/// Everything one or more consecutive source transactions make durable,
+/// written atomically.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Materialization {
+    /// The last transaction's commit LSN: progress moves to its `transaction_end`.
+    pub commit_lsn: Lsn,
+    pub end_lsn: Lsn,
+    /// Every source transaction included, in commit order.
+    pub transactions: Vec<MaterializedTransaction>,
     pub put_projections: Vec<Projection>,
     /// (table_id, identity) of hard-deleted rows.
     pub removed_projections: Vec<(String, RowIdentity)>,

@@ -20,7 +20,7 @@ use protocol::json::{self, Value};
 use super::model::{Model, Rule, Table};
 use crate::capture::{
     CaptureProblem, CapturedRow, ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization,
-    Projection, SourceImage, SourceTransaction,
+    MaterializedTransaction, Projection, SourceImage, SourceTransaction,
 };
 use crate::store::{StoreError, StoreTx};
 
@@ -267,6 +267,11 @@ fn materialize(
     let mut out = Materialization {
         commit_lsn: source.commit_lsn,
         end_lsn: source.end_lsn,
+        transactions: vec![MaterializedTransaction {
+            commit_lsn: source.commit_lsn,
+            end_lsn: source.end_lsn,
+            row_events: source.events.len() as u64,
+        }],
         fences,
         ..Materialization::default()
     };
@@ -486,6 +491,7 @@ fn number_effects(effects: &mut [Effect]) {
 fn absorb(c: &mut Materialization, m: Materialization) {
     c.commit_lsn = m.commit_lsn;
     c.end_lsn = m.end_lsn;
+    c.transactions.extend(m.transactions);
     c.put_projections.extend(m.put_projections);
     c.removed_projections.extend(m.removed_projections);
     c.put_dependencies.extend(m.put_dependencies);

@@ -351,3 +351,86 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
     let public = effects(&store, "templates_public").await;
     assert_eq!(public.len(), 1);
 }
+
+/// A quarantined transaction is retried, not skipped: once the cause is
+/// repaired (here, a rule that rendered an over-long scope ID is replaced),
+/// the same transaction materializes and capture resumes behind it.
+pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let fast = |edit: &dyn Fn(String) -> String| {
+        let mut config = example_config(edit);
+        config.capture.heartbeat_ms = 20;
+        config.capture.max_heartbeat_age_ms = 2_000;
+        config.capture.retry_ms = 20;
+        config
+    };
+    let engine = Engine::start(store.clone(), fast(&|s| s)).await.unwrap();
+    let long_owner = "x".repeat(600); // user:{owner_id} would exceed 512 octets
+    let note = [
+        ("id", Some(N1)),
+        ("owner_id", Some(long_owner.as_str())),
+        ("title", Some("t")),
+        ("body", None),
+        ("pinned", Some("f")),
+        ("updated_at", Some(T)),
+        ("deleted_at", None),
+    ];
+    let blocked_at = world.write(&[Write::Insert("public.notes", &note)]).await;
+    let progress = settle(&store, blocked_at).await;
+    assert_eq!(
+        progress.quarantine.map(|q| q.problem),
+        Some(CaptureProblem::InvalidScopeId)
+    );
+    let tpl: [(&str, Option<&str>); 3] = [
+        ("id", Some("tpl-1")),
+        ("name", Some("n")),
+        ("body", Some("b")),
+    ];
+    let later = world
+        .write(&[Write::Insert("public.templates", &tpl)])
+        .await;
+    assert!(!engine.ready().await);
+    drop(engine);
+
+    // The repair: notes belong to one shared scope instead of their owner's.
+    let repaired = fast(&|s| {
+        s.replace(
+            "{ template = \"user:{owner_id}\" }",
+            "{ constant = \"all_notes\" }",
+        )
+    });
+    let engine = Engine::start(store.clone(), repaired).await.unwrap();
+    let mut resumed = false;
+    for _ in 0..2000 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        let past =
+            matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= later);
+        if past && p.quarantine.is_none() {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(resumed, "capture did not resume after the repair");
+    let manifest = {
+        let mut tx = store.begin().await.unwrap();
+        tx.manifests().await.unwrap().pop().unwrap()
+    };
+    let all = effects(&store, "all_notes").await;
+    assert_eq!(summary(&manifest, &all), [format!("upsert \"{N1}\"")]);
+    assert!(
+        all[0].commit_lsn >= blocked_at && all[0].commit_lsn < later,
+        "the same transaction"
+    );
+    let public = effects(&store, "templates_public").await;
+    assert_eq!(summary(&manifest, &public), ["upsert \"tpl-1\""]);
+    for _ in 0..400 {
+        if engine.ready().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("capture did not become ready after the repair");
+}

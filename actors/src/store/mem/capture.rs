@@ -18,8 +18,8 @@ use tokio::sync::watch;
 use super::{MemStore, MemTx};
 use crate::capture::{
     CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, ChangeKind, DependencyRow, Effect,
-    Lsn, Materialization, Projection, Quarantine, SourceEvent, SourceImage, SourceTransaction,
-    VersionNote,
+    Lsn, Materialization, MaterializedTransaction, Projection, Quarantine, SourceEvent,
+    SourceImage, SourceTransaction, VersionNote,
 };
 use crate::store::StoreError;
 
@@ -74,6 +74,8 @@ pub(super) struct CaptureState {
     projections: BTreeMap<(String, RowIdentity), Projection>,
     dependencies: BTreeMap<(String, String), DependencyRow>,
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
+    /// Every materialized source transaction, by commit LSN.
+    materialized: BTreeMap<Lsn, MaterializedTransaction>,
     pub fences_done: BTreeSet<u64>,
     /// Transactions delivered by feeds, redeliveries included.
     pub deliveries: u64,
@@ -99,6 +101,7 @@ impl CaptureState {
             projections: BTreeMap::new(),
             dependencies: BTreeMap::new(),
             effects: BTreeMap::new(),
+            materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
             deliveries: 0,
         }
@@ -405,6 +408,13 @@ impl MemTx {
         }
         for (r, i) in &m.removed_dependencies {
             c.dependencies.remove(&(r.clone(), i.clone()));
+        }
+        for t in &m.transactions {
+            if c.materialized.insert(t.commit_lsn, *t).is_some() {
+                return Err(StoreError::Integrity(
+                    "a source transaction materialized twice".into(),
+                ));
+            }
         }
         for e in &m.effects {
             if c.effects
