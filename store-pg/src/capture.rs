@@ -103,7 +103,7 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
         );
         tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
     }
-    for (relation, columns) in &plan.dependencies {
+    for relation in plan.dependencies.keys() {
         // pgoutput can only send deletes of a relation with a replica identity.
         let row = sqlx::query(
             "SELECT c.relreplident::text, EXISTS (SELECT 1 FROM pg_index i \
@@ -124,7 +124,6 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
                 "dependency relation {relation} needs a primary key or REPLICA IDENTITY FULL"
             )));
         }
-        let _ = columns;
     }
     let tables: Vec<String> = plan.relations().map(quote_relation).collect();
     let exists: bool =

@@ -6,7 +6,9 @@
 use actors::capture::{CaptureProblem, Lsn};
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
-use actors::testkit::{CaptureWorld, Write, capture_suite, repair_resumes, truncate_blocks};
+use actors::testkit::{
+    CaptureWorld, Write, capture_suite, fast_config, repair_resumes, truncate_blocks,
+};
 use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
 use store_pg::{PgStore, example_store};
@@ -126,14 +128,6 @@ async fn wait_status(engine: &actors::Engine, want: fn(&CaptureStatus) -> bool, 
     panic!("capture never became {what}: {:?}", engine.capture_status());
 }
 
-fn fast_config() -> actors::config::SyncConfig {
-    let mut config = actors::testkit::example_config(|s| s);
-    config.capture.heartbeat_ms = 20;
-    config.capture.max_heartbeat_age_ms = 2_000;
-    config.capture.retry_ms = 50;
-    config
-}
-
 /// Two processes on one database: one leads capture, the other stands by
 /// and takes over when the leader goes away.
 #[tokio::test]
@@ -143,7 +137,7 @@ async fn a_standby_takes_over_capture() {
     let second = PgStore::connect(cluster.connect_options("standby"))
         .await
         .unwrap();
-    let leader = actors::Engine::start(first.clone(), fast_config())
+    let leader = actors::Engine::start(first.clone(), fast_config(|s| s))
         .await
         .unwrap();
     wait_status(
@@ -152,7 +146,7 @@ async fn a_standby_takes_over_capture() {
         "running",
     )
     .await;
-    let standby = actors::Engine::start(second.clone(), fast_config())
+    let standby = actors::Engine::start(second.clone(), fast_config(|s| s))
         .await
         .unwrap();
     wait_status(&standby, |s| *s == CaptureStatus::Standby, "standby").await;
@@ -190,7 +184,7 @@ async fn a_standby_takes_over_capture() {
 async fn relation_drift_blocks_capture() {
     let cluster = PgCluster::temp().unwrap();
     let store = example_store(&cluster, "drift").await;
-    let engine = actors::Engine::start(store.clone(), fast_config())
+    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
         .await
         .unwrap();
     wait_status(

@@ -32,11 +32,69 @@ pub(crate) struct GroupOutcome {
 }
 
 /// The state the group works on: projections and dependency rows as the
-/// last transaction left them (`None` = absent).
+/// last transaction left them (`None` = absent), and which of them the
+/// group changed (what its combined materialization writes).
 #[derive(Default)]
 struct State {
     projections: BTreeMap<(String, RowIdentity), Option<Projection>>,
     dependencies: BTreeMap<(String, String), Option<SourceImage>>,
+    changed_rows: BTreeSet<(String, RowIdentity)>,
+    changed_dependencies: BTreeSet<(String, String)>,
+    /// How to undo the current transaction's changes if it cannot materialize.
+    undo: Vec<Undo>,
+}
+
+/// One change to [`State`], with what it replaced.
+enum Undo {
+    Projection((String, RowIdentity), Option<Option<Projection>>, bool),
+    Dependency((String, String), Option<Option<SourceImage>>, bool),
+}
+
+impl State {
+    /// Sets a row's projection (`None`: absent) for the current transaction.
+    fn set_projection(&mut self, slot: (String, RowIdentity), p: Option<Projection>) {
+        let newly = self.changed_rows.insert(slot.clone());
+        let old = self.projections.insert(slot.clone(), p);
+        self.undo.push(Undo::Projection(slot, old, newly));
+    }
+
+    /// Sets a dependency row (`None`: absent); returns the image it replaced.
+    fn set_dependency(
+        &mut self,
+        slot: (String, String),
+        image: Option<SourceImage>,
+    ) -> Option<SourceImage> {
+        let newly = self.changed_dependencies.insert(slot.clone());
+        let old = self.dependencies.insert(slot.clone(), image);
+        self.undo.push(Undo::Dependency(slot, old.clone(), newly));
+        old.flatten()
+    }
+
+    /// Reverts the current transaction's changes, newest first.
+    fn roll_back(&mut self) {
+        while let Some(u) = self.undo.pop() {
+            match u {
+                Undo::Projection(slot, old, newly) => {
+                    if newly {
+                        self.changed_rows.remove(&slot);
+                    }
+                    match old {
+                        Some(v) => self.projections.insert(slot, v),
+                        None => self.projections.remove(&slot),
+                    };
+                }
+                Undo::Dependency(slot, old, newly) => {
+                    if newly {
+                        self.changed_dependencies.remove(&slot);
+                    }
+                    match old {
+                        Some(v) => self.dependencies.insert(slot, v),
+                        None => self.dependencies.remove(&slot),
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// Materializes `group` (consecutive transactions, none yet durable) on the
@@ -50,12 +108,15 @@ pub(crate) async fn materialize_group<T: StoreTx>(
     let mut combined: Option<Materialization> = None;
     let mut digester = RowDigester::default();
     for source in group {
+        state.undo.clear();
         match materialize(&mut state, model, source, &mut digester) {
             Ok(m) => match combined.as_mut() {
                 None => combined = Some(m),
                 Some(c) => absorb(c, m),
             },
             Err(problem) => {
+                // The blocked transaction leaves nothing behind.
+                state.roll_back();
                 return Ok(GroupOutcome {
                     combined: combined.map(|c| finish(c, &state)),
                     problem: Some((source.commit_lsn, problem)),
@@ -192,7 +253,6 @@ fn materialize(
             .push_back(n);
     }
     let mut rows: BTreeMap<(String, RowIdentity), RowState> = BTreeMap::new();
-    let mut changed_dependencies = BTreeSet::new();
     let mut fences = Vec::new();
 
     for (ordinal, event) in source.events.iter().enumerate() {
@@ -234,8 +294,7 @@ fn materialize(
             });
         } else if let Some(impacts) = model.impacts.get(&event.relation) {
             let old_slot = (event.relation.clone(), identity_of(&event.identity));
-            let old = state.dependencies.insert(old_slot.clone(), None).flatten();
-            changed_dependencies.insert(old_slot);
+            let old = state.set_dependency(old_slot, None);
             if let Some(new) = &event.new {
                 let id_columns: SourceImage = event
                     .identity
@@ -243,8 +302,7 @@ fn materialize(
                     .map(|c| (c.clone(), new.get(c).cloned().flatten()))
                     .collect();
                 let slot = (event.relation.clone(), identity_of(&id_columns));
-                state.dependencies.insert(slot.clone(), Some(new.clone()));
-                changed_dependencies.insert(slot);
+                state.set_dependency(slot, Some(new.clone()));
             }
             for impact in impacts {
                 let table = model
@@ -275,16 +333,6 @@ fn materialize(
         fences,
         ..Materialization::default()
     };
-    for slot in changed_dependencies {
-        match state.dependencies.get(&slot).cloned().flatten() {
-            Some(image) => out.put_dependencies.push(DependencyRow {
-                relation: slot.0,
-                identity: slot.1,
-                image,
-            }),
-            None => out.removed_dependencies.push(slot),
-        }
-    }
     for ((_, identity), mut row) in rows {
         let table = model
             .table(&row.table_id)
@@ -314,10 +362,7 @@ fn materialize(
                     source,
                 ));
             }
-            if row.before.is_some() {
-                out.removed_projections.push(slot.clone());
-            }
-            state.projections.insert(slot, None);
+            state.set_projection(slot, None);
             continue;
         };
         let scopes = membership(state, table, &wire)?;
@@ -374,8 +419,7 @@ fn materialize(
             tombstone,
             scopes,
         };
-        state.projections.insert(slot, Some(projection.clone()));
-        out.put_projections.push(projection);
+        state.set_projection(slot, Some(projection));
     }
     number_effects(&mut out.effects);
     Ok(out)
@@ -492,43 +536,27 @@ fn absorb(c: &mut Materialization, m: Materialization) {
     c.commit_lsn = m.commit_lsn;
     c.end_lsn = m.end_lsn;
     c.transactions.extend(m.transactions);
-    c.put_projections.extend(m.put_projections);
-    c.removed_projections.extend(m.removed_projections);
-    c.put_dependencies.extend(m.put_dependencies);
-    c.removed_dependencies.extend(m.removed_dependencies);
     c.effects.extend(m.effects);
     c.fences.extend(m.fences);
 }
 
-/// Each projection and dependency row the group wrote, as the last
+/// Each projection and dependency row the group changed, as the last
 /// transaction left it: written once.
 fn finish(mut c: Materialization, state: &State) -> Materialization {
-    let rows: BTreeSet<(String, RowIdentity)> = c
-        .put_projections
-        .drain(..)
-        .map(|p| (p.table_id, p.identity))
-        .chain(c.removed_projections.drain(..))
-        .collect();
-    for slot in rows {
-        match state.projections.get(&slot).cloned().flatten() {
+    for slot in &state.changed_rows {
+        match state.projections.get(slot).cloned().flatten() {
             Some(p) => c.put_projections.push(p),
-            None => c.removed_projections.push(slot),
+            None => c.removed_projections.push(slot.clone()),
         }
     }
-    let dependencies: BTreeSet<(String, String)> = c
-        .put_dependencies
-        .drain(..)
-        .map(|d| (d.relation, d.identity))
-        .chain(c.removed_dependencies.drain(..))
-        .collect();
-    for slot in dependencies {
-        match state.dependencies.get(&slot).cloned().flatten() {
+    for slot in &state.changed_dependencies {
+        match state.dependencies.get(slot).cloned().flatten() {
             Some(image) => c.put_dependencies.push(DependencyRow {
-                relation: slot.0,
-                identity: slot.1,
+                relation: slot.0.clone(),
+                identity: slot.1.clone(),
                 image,
             }),
-            None => c.removed_dependencies.push(slot),
+            None => c.removed_dependencies.push(slot.clone()),
         }
     }
     c
@@ -543,4 +571,101 @@ pub(crate) fn identity_of(identity: &SourceImage) -> String {
         )
     });
     json::to_canonical_string(&Value::Object(members.collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capture::{SourceEvent, VersionNote};
+    use crate::config::SyncConfig;
+    use crate::store::{MemStore, Store};
+
+    const CONFIG: &str = include_str!("../../../examples/notes/config.toml");
+    const N1: &str = "00000000-0000-4000-8000-000000000001";
+    const N2: &str = "00000000-0000-4000-8000-000000000002";
+
+    fn image(cols: &[(&str, &str)]) -> SourceImage {
+        cols.iter()
+            .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
+            .collect()
+    }
+
+    fn insert_note(id: &str, owner: &str, version: &str) -> (SourceEvent, VersionNote) {
+        let mut new = image(&[
+            ("id", id),
+            ("owner_id", owner),
+            ("title", "t"),
+            ("pinned", "f"),
+            ("updated_at", "2026-07-18 14:00:01+00"),
+        ]);
+        new.insert("body".into(), None);
+        new.insert("deleted_at".into(), None);
+        let event = SourceEvent {
+            relation: "public.notes".into(),
+            kind: ChangeKind::Insert,
+            identity: image(&[("id", id)]),
+            new: Some(new),
+        };
+        let note = VersionNote {
+            table_id: "tbl_notes".into(),
+            key: id.into(),
+            version: version.into(),
+            fence: 1,
+        };
+        (event, note)
+    }
+
+    /// A transaction that cannot materialize leaves nothing in the group's
+    /// writes, even what it changed before it failed.
+    #[tokio::test]
+    async fn a_blocked_transaction_leaves_nothing_behind() {
+        let config = SyncConfig::from_toml(CONFIG).unwrap();
+        let store = MemStore::new();
+        let _engine = crate::Engine::start(store.clone(), config.clone())
+            .await
+            .unwrap();
+        let mut tx = store.begin().await.unwrap();
+        let manifest = tx.manifests().await.unwrap().pop().unwrap();
+        let model = Model::new(&config, manifest).unwrap();
+
+        let (e1, n1) = insert_note(N1, "alice", "v1");
+        let first = SourceTransaction {
+            commit_lsn: 10,
+            end_lsn: 11,
+            events: vec![e1],
+            notes: vec![n1],
+            problem: None,
+        };
+        // Shares n1 with team red, then writes a note whose owner scope ID is too long.
+        let share = SourceEvent {
+            relation: "public.note_shares".into(),
+            kind: ChangeKind::Insert,
+            identity: image(&[("note_id", N1), ("team_id", "red")]),
+            new: Some(image(&[("note_id", N1), ("team_id", "red")])),
+        };
+        let (e2, n2) = insert_note(N2, &"x".repeat(600), "v2");
+        let second = SourceTransaction {
+            commit_lsn: 20,
+            end_lsn: 21,
+            events: vec![share, e2],
+            notes: vec![n2],
+            problem: None,
+        };
+        let outcome = materialize_group(&mut tx, &model, &[first, second])
+            .await
+            .unwrap();
+        assert_eq!(outcome.problem, Some((20, CaptureProblem::InvalidScopeId)));
+        let m = outcome.combined.unwrap();
+        assert_eq!(m.commit_lsn, 10);
+        assert_eq!(m.transactions.len(), 1);
+        assert!(m.put_dependencies.is_empty() && m.removed_dependencies.is_empty());
+        assert_eq!(m.put_projections.len(), 1);
+        let scopes: Vec<&str> = m.put_projections[0]
+            .scopes
+            .iter()
+            .map(ScopeId::as_str)
+            .collect();
+        assert_eq!(scopes, ["user:alice"], "the failed share did not leak");
+        assert!(m.effects.iter().all(|e| e.commit_lsn == 10));
+    }
 }

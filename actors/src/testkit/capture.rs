@@ -78,6 +78,26 @@ async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
     panic!("capture did not reach {lsn} in 10 s");
 }
 
+/// Waits (up to 2 s) until the engine's readiness is `want`.
+async fn ready_becomes(engine: &Engine, want: bool, what: &str) {
+    for _ in 0..400 {
+        if engine.ready().await == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("readiness did not become {want}: {what}");
+}
+
+/// The example config with capture limits short enough for tests.
+pub fn fast_config(edit: impl Fn(String) -> String) -> crate::config::SyncConfig {
+    let mut config = example_config(edit);
+    config.capture.heartbeat_ms = 20;
+    config.capture.max_heartbeat_age_ms = 2_000;
+    config.capture.retry_ms = 20;
+    config
+}
+
 /// Every effect of `scope` through the current boundary.
 async fn effects<S: Store>(store: &S, scope: &str) -> Vec<Effect> {
     let mut tx = store.begin().await.unwrap();
@@ -302,11 +322,9 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
 /// blocks capture: readiness turns false and nothing after it is materialized.
 pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
     let store = world.store().clone();
-    let mut config = example_config(|s| s);
-    config.capture.heartbeat_ms = 20;
-    config.capture.max_heartbeat_age_ms = 2_000;
-    config.capture.retry_ms = 20;
-    let engine = Engine::start(store.clone(), config).await.unwrap();
+    let engine = Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
     let tpl: [(&str, Option<&str>); 3] = [
         ("id", Some("tpl-1")),
         ("name", Some("Daily")),
@@ -316,20 +334,14 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
         .write(&[Write::Insert("public.templates", &tpl)])
         .await;
     assert_eq!(settle(&store, lsn).await.quarantine, None);
-    for _ in 0..400 {
-        if engine.ready().await {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(engine.ready().await, "ready while capture runs");
+    ready_becomes(&engine, true, "capture runs").await;
 
     let lsn = world.write(&[Write::Truncate("public.templates")]).await;
     let progress = settle(&store, lsn).await;
     let q = progress.quarantine.expect("the truncate is quarantined");
     assert_eq!(q.problem, CaptureProblem::Truncate);
     assert!(q.commit_lsn >= lsn);
-    assert!(!engine.ready().await);
+    ready_becomes(&engine, false, "capture is blocked").await;
     assert_eq!(
         engine.capture_status(),
         CaptureStatus::Blocked(CaptureProblem::Truncate)
@@ -357,14 +369,9 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
 /// the same transaction materializes and capture resumes behind it.
 pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
     let store = world.store().clone();
-    let fast = |edit: &dyn Fn(String) -> String| {
-        let mut config = example_config(edit);
-        config.capture.heartbeat_ms = 20;
-        config.capture.max_heartbeat_age_ms = 2_000;
-        config.capture.retry_ms = 20;
-        config
-    };
-    let engine = Engine::start(store.clone(), fast(&|s| s)).await.unwrap();
+    let engine = Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
     let long_owner = "x".repeat(600); // user:{owner_id} would exceed 512 octets
     let note = [
         ("id", Some(N1)),
@@ -389,11 +396,11 @@ pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
     let later = world
         .write(&[Write::Insert("public.templates", &tpl)])
         .await;
-    assert!(!engine.ready().await);
+    ready_becomes(&engine, false, "capture is blocked").await;
     drop(engine);
 
     // The repair: notes belong to one shared scope instead of their owner's.
-    let repaired = fast(&|s| {
+    let repaired = fast_config(|s| {
         s.replace(
             "{ template = \"user:{owner_id}\" }",
             "{ constant = \"all_notes\" }",
@@ -426,11 +433,5 @@ pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
     );
     let public = effects(&store, "templates_public").await;
     assert_eq!(summary(&manifest, &public), ["upsert \"tpl-1\""]);
-    for _ in 0..400 {
-        if engine.ready().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("capture did not become ready after the repair");
+    ready_becomes(&engine, true, "repaired").await;
 }

@@ -10,7 +10,9 @@ use protocol::manifest::Manifest;
 use crate::config::SyncConfig;
 
 mod capture;
-pub use capture::{CaptureWorld, Write, capture_suite, repair_resumes, truncate_blocks};
+pub use capture::{
+    CaptureWorld, Write, capture_suite, fast_config, repair_resumes, truncate_blocks,
+};
 
 /// The example config (`examples/notes/config.toml`).
 pub const EXAMPLE_CONFIG: &str = include_str!("../../../examples/notes/config.toml");
