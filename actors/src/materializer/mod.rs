@@ -1,10 +1,11 @@
 //! The materializer actor: the only path from committed source writes to
 //! pull-visible state. It reads whole source transactions in commit order
 //! from the store's [`ChangeFeed`](crate::capture::ChangeFeed) and commits,
-//! per source transaction and atomically, projections, dependency rows,
-//! per-scope effects, satisfied fences and the progress row. Only then does
-//! it acknowledge the feed, so a crash anywhere replays from durable
-//! progress, and a replayed transaction (at or below progress) is skipped.
+//! atomically for a group of whole transactions (ADR 0005), projections,
+//! dependency rows, per-scope effects, satisfied fences, transaction
+//! records and the progress row. Only then does it acknowledge the feed,
+//! so a crash anywhere replays from durable progress, and a replayed
+//! transaction (at or below progress) is skipped.
 //!
 //! A transaction that cannot be materialized is quarantined: capture stops
 //! (no log-and-skip) and is retried from the same transaction every
@@ -92,17 +93,6 @@ pub struct MaterializerLimits {
     pub group_events: usize,
 }
 
-impl Default for MaterializerLimits {
-    fn default() -> MaterializerLimits {
-        MaterializerLimits {
-            heartbeat: Duration::from_secs(1),
-            retry: Duration::from_secs(1),
-            group_transactions: GROUP_TRANSACTIONS,
-            group_events: GROUP_EVENTS,
-        }
-    }
-}
-
 /// Starts the materializer over `store` for the config whose current
 /// manifest is the store's newest one. Returns its status.
 pub async fn spawn<S: Store>(
@@ -112,10 +102,11 @@ pub async fn spawn<S: Store>(
 ) -> Result<watch::Receiver<CaptureStatus>, String> {
     let manifest = {
         let mut tx = store.begin().await.map_err(|e| e.to_string())?;
-        tx.manifests()
-            .await
-            .map_err(|e| e.to_string())?
-            .pop()
+        let manifests = tx.manifests().await.map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        manifests
+            .into_iter()
+            .last()
             .ok_or("no manifest is stored")?
     };
     let model = Model::new(config, manifest)?;
