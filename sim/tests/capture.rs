@@ -27,10 +27,6 @@ async fn capture_under_faults() {
         madsim::time::TimeHandle::current().elapsed()
     );
     assert!(trace.crashes >= 1, "the materializer crashed\n{reproduce}");
-    assert!(
-        trace.redeliveries >= 1,
-        "some transaction was delivered again\n{reproduce}"
-    );
     assert!(!trace.effects.is_empty());
     if let Err(v) =
         invariants::capture::check_capture(&trace.history, &trace.effects, &trace.projections)
