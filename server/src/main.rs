@@ -105,6 +105,23 @@ fn token(user: &str, config: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// Ctrl-C or SIGTERM (what `docker stop` and systemd send): both stop the
+/// server gracefully, and with it the embedded cluster.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
 /// The password of a `postgres://user:password@host/db` URL, or `PGPASSWORD`.
 fn url_password(database_url: &str) -> Option<String> {
     let from_url = url::Url::parse(database_url).ok().and_then(|u| {
@@ -194,9 +211,7 @@ async fn serve(
         auth: Arc::new(auth),
     });
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(shutdown_signal())
         .await
         .map_err(|e| e.to_string())
 }
