@@ -297,8 +297,17 @@ async fn http_against_postgres() {
     let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, big).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
 
-    // Operator routes.
-    let (status, h1, b) = request(addr, "GET", "/ready", &[], vec![]).await;
+    // Operator routes. Readiness also needs capture running (it starts
+    // with the engine), so it may take a moment to turn true.
+    let mut ready = request(addr, "GET", "/ready", &[], vec![]).await;
+    for _ in 0..500 {
+        if ready.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        ready = request(addr, "GET", "/ready", &[], vec![]).await;
+    }
+    let (status, h1, b) = ready;
     assert_eq!(
         (
             status,

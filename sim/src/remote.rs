@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actors::capture::{
-    CapturePlan, CaptureProgress, ChangeFeed, DependencyRow, Effect, Lsn, Materialization,
-    Projection, Quarantine, SourceTransaction,
+    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect, Lsn,
+    Materialization, Projection, Quarantine, SourceTransaction,
 };
 use actors::config::DependencyAssignment;
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
@@ -65,6 +65,7 @@ enum Answer {
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
+    Check(Result<Option<CaptureProblem>, StoreError>),
     /// A feed: opened (leader) or refused (standby).
     Feed(Result<Option<Box<SourceTransaction>>, StoreError>),
     /// The next transaction if one came, and the feed's source end.
@@ -89,7 +90,13 @@ enum Request {
         seq: u64,
         op: Op,
     },
-    InstallCapture(CapturePlan),
+    InstallCapture {
+        id: u64,
+        plan: CapturePlan,
+    },
+    CheckCapture {
+        id: u64,
+    },
     /// Opens a feed (if this caller may lead capture).
     FeedOpen {
         id: u64,
@@ -104,7 +111,11 @@ enum Request {
 /// How long the database node waits for the next source transaction per poll.
 const FEED_POLL: Duration = Duration::from_millis(100);
 
+/// An answer to the request `(id, seq)`. The id matters: an ephemeral port
+/// is reused by a later endpoint, which must not take a late answer meant
+/// for the earlier one.
 struct Reply {
+    id: u64,
     seq: u64,
     answer: Option<Answer>, // `None` answers Begin
 }
@@ -127,25 +138,39 @@ pub async fn database_main(store: MemStore) {
                 let (tx, rx) = mpsc::unbounded_channel();
                 open.retain(|_, s| !s.is_closed());
                 open.insert(id, tx);
-                madsim::task::spawn(transaction(store.clone(), ep.clone(), from, give_up_at, rx));
+                madsim::task::spawn(transaction(
+                    store.clone(),
+                    ep.clone(),
+                    from,
+                    id,
+                    give_up_at,
+                    rx,
+                ));
             }
             Request::Op { id, seq, op } => {
                 if let Some(s) = open.get(&id) {
                     let _ = s.send((seq, op, from));
                 }
             }
-            Request::InstallCapture(plan) => {
+            Request::InstallCapture { id, plan } => {
                 let (store, ep) = (store.clone(), ep.clone());
                 madsim::task::spawn(async move {
                     let answer = Answer::Unit(store.install_capture(&plan).await);
-                    reply(&ep, from, 0, answer).await;
+                    reply(&ep, from, id, 0, answer).await;
+                });
+            }
+            Request::CheckCapture { id } => {
+                let (store, ep) = (store.clone(), ep.clone());
+                madsim::task::spawn(async move {
+                    let answer = Answer::Check(store.check_capture().await);
+                    reply(&ep, from, id, 0, answer).await;
                 });
             }
             Request::FeedOpen { id } => {
                 let (tx, rx) = mpsc::unbounded_channel();
                 feeds.retain(|_, s| !s.is_closed());
                 feeds.insert(id, tx);
-                madsim::task::spawn(serve_feed(store.clone(), ep.clone(), from, rx));
+                madsim::task::spawn(serve_feed(store.clone(), ep.clone(), from, id, rx));
             }
             Request::Feed { id, seq, op } => {
                 if let Some(s) = feeds.get(&id) {
@@ -156,12 +181,13 @@ pub async fn database_main(store: MemStore) {
     }
 }
 
-async fn reply(ep: &Endpoint, to: SocketAddr, seq: u64, answer: Answer) {
+async fn reply(ep: &Endpoint, to: SocketAddr, id: u64, seq: u64, answer: Answer) {
     let _ = ep
         .send_to_raw(
             to,
             DB_REPLY,
             Box::new(Reply {
+                id,
                 seq,
                 answer: Some(answer),
             }),
@@ -175,12 +201,13 @@ async fn serve_feed(
     store: MemStore,
     ep: Arc<Endpoint>,
     owner: SocketAddr,
+    id: u64,
     mut ops: mpsc::UnboundedReceiver<(u64, FeedOp, SocketAddr)>,
 ) {
     let mut feed = match store.change_feed().await {
         Ok(Some(feed)) => feed,
-        Ok(None) => return reply(&ep, owner, 0, Answer::Feed(Ok(None))).await,
-        Err(e) => return reply(&ep, owner, 0, Answer::Feed(Err(e))).await,
+        Ok(None) => return reply(&ep, owner, id, 0, Answer::Feed(Ok(None))).await,
+        Err(e) => return reply(&ep, owner, id, 0, Answer::Feed(Err(e))).await,
     };
     // Any transaction answers "opened"; its content is not used.
     let opened = SourceTransaction {
@@ -190,7 +217,7 @@ async fn serve_feed(
         notes: Vec::new(),
         problem: None,
     };
-    reply(&ep, owner, 0, Answer::Feed(Ok(Some(Box::new(opened))))).await;
+    reply(&ep, owner, id, 0, Answer::Feed(Ok(Some(Box::new(opened))))).await;
     loop {
         let Ok(Some((seq, op, from))) = timeout(IDLE_TIMEOUT, ops.recv()).await else {
             return; // dropped: leadership released
@@ -202,7 +229,7 @@ async fn serve_feed(
             },
             FeedOp::Acknowledge(end) => Answer::Unit(feed.acknowledge(end).await),
         };
-        reply(&ep, from, seq, answer).await;
+        reply(&ep, from, id, seq, answer).await;
     }
 }
 
@@ -212,6 +239,7 @@ async fn transaction(
     store: MemStore,
     ep: Arc<Endpoint>,
     owner: SocketAddr,
+    id: u64,
     give_up_at: Instant,
     mut ops: mpsc::UnboundedReceiver<(u64, Op, SocketAddr)>,
 ) {
@@ -226,6 +254,7 @@ async fn transaction(
             owner,
             DB_REPLY,
             Box::new(Reply {
+                id,
                 seq: 0,
                 answer: None,
             }),
@@ -272,6 +301,7 @@ async fn transaction(
                     from,
                     DB_REPLY,
                     Box::new(Reply {
+                        id,
                         seq,
                         answer: Some(Answer::Unit(result)),
                     }),
@@ -284,6 +314,7 @@ async fn transaction(
                 from,
                 DB_REPLY,
                 Box::new(Reply {
+                    id,
                     seq,
                     answer: Some(answer),
                 }),
@@ -340,13 +371,14 @@ fn lost() -> StoreError {
     StoreError::Unavailable("the database did not answer".into())
 }
 
-async fn answer(ep: &Endpoint, seq: u64) -> Result<Option<Answer>, StoreError> {
+async fn answer(ep: &Endpoint, id: u64, seq: u64) -> Result<Option<Answer>, StoreError> {
     let wait = async {
         loop {
             let Ok((payload, _)) = ep.recv_from_raw(DB_REPLY).await else {
                 continue;
             };
             if let Ok(reply) = payload.downcast::<Reply>()
+                && reply.id == id
                 && reply.seq == seq
             {
                 return reply.answer;
@@ -362,16 +394,30 @@ impl Store for RemoteStore {
 
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
         let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        ep.send_to_raw(
-            db,
-            DB_REQUEST,
-            Box::new(Request::InstallCapture(plan.clone())),
-        )
-        .await
-        .map_err(|_| lost())?;
-        match answer(&ep, 0).await?.ok_or_else(lost)? {
+        let request = Request::InstallCapture {
+            id,
+            plan: plan.clone(),
+        };
+        ep.send_to_raw(db, DB_REQUEST, Box::new(request))
+            .await
+            .map_err(|_| lost())?;
+        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        ep.send_to_raw(db, DB_REQUEST, Box::new(Request::CheckCapture { id }))
+            .await
+            .map_err(|_| lost())?;
+        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+            Answer::Check(r) => r,
             _ => Err(mismatch()),
         }
     }
@@ -383,7 +429,7 @@ impl Store for RemoteStore {
         ep.send_to_raw(db, DB_REQUEST, Box::new(Request::FeedOpen { id }))
             .await
             .map_err(|_| lost())?;
-        match answer(&ep, 0).await?.ok_or_else(lost)? {
+        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
             Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed {
                 ep,
                 id,
@@ -404,7 +450,7 @@ impl Store for RemoteStore {
         ep.send_to_raw(db, DB_REQUEST, Box::new(Request::Begin { id, give_up_at }))
             .await
             .map_err(|_| lost())?;
-        answer(&ep, 0).await?;
+        answer(&ep, id, 0).await?;
         Ok(RemoteTx {
             ep: Arc::new(ep),
             id,
@@ -427,7 +473,7 @@ impl RemoteTx {
             .send_to_raw(db, DB_REQUEST, Box::new(request))
             .await
             .map_err(|_| lost())?;
-        answer(&self.ep, self.seq).await?.ok_or_else(lost)
+        answer(&self.ep, self.id, self.seq).await?.ok_or_else(lost)
     }
 }
 
@@ -452,7 +498,7 @@ impl RemoteFeed {
             .send_to_raw(db, DB_REQUEST, Box::new(request))
             .await
             .map_err(|_| lost())?;
-        answer(&self.ep, self.seq).await?.ok_or_else(lost)
+        answer(&self.ep, self.id, self.seq).await?.ok_or_else(lost)
     }
 }
 

@@ -35,6 +35,13 @@ CREATE TABLE synchro.capture_progress (
 );
 INSERT INTO synchro.capture_progress DEFAULT VALUES;
 
+-- The OID of every captured relation when capture was installed: a relation
+-- dropped and recreated under the same name is drift, not a continuation.
+CREATE TABLE synchro.captured_relations (
+    relation      text PRIMARY KEY,
+    relation_oid  bigint NOT NULL
+);
+
 -- Every materialized source transaction; its events are (commit_lsn, 0..row_events).
 -- The primary key is a second guard against materializing one twice.
 CREATE TABLE synchro.source_transactions (

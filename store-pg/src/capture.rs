@@ -125,6 +125,35 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
             )));
         }
     }
+    // A relation recreated since capture was installed has a WAL history
+    // that cannot be joined to what was materialized: refuse it.
+    for relation in plan.relations() {
+        let oid: i64 = sqlx::query_scalar("SELECT to_regclass($1)::oid::int8")
+            .bind(relation)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error)?
+            .flatten()
+            .ok_or_else(|| {
+                StoreError::Integrity(format!("captured relation {relation} is missing"))
+            })?;
+        let recorded: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO synchro.captured_relations (relation, relation_oid) VALUES ($1, $2) \
+             ON CONFLICT (relation) DO UPDATE SET relation = EXCLUDED.relation \
+             RETURNING relation_oid",
+        )
+        .bind(relation)
+        .bind(oid)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        if recorded != Some(oid) {
+            return Err(StoreError::Integrity(format!(
+                "captured relation {relation} was dropped and recreated since capture was \
+                 installed (its OID changed); capture cannot continue over it"
+            )));
+        }
+    }
     let tables: Vec<String> = plan.relations().map(quote_relation).collect();
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
@@ -169,6 +198,32 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
 
 /// Checks that everything capture needs is in place.
 async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
+    if let Some(problem) = check(store, plan).await? {
+        return Err(StoreError::Integrity(format!(
+            "capture is not in place: {problem}"
+        )));
+    }
+    Ok(())
+}
+
+/// What broke since `install`, if anything: a captured relation dropped,
+/// recreated (another OID) or unpublished, or a capture trigger gone or disabled.
+pub(crate) async fn check(
+    store: &PgStore,
+    plan: &CapturePlan,
+) -> Result<Option<CaptureProblem>, StoreError> {
+    let intact = sqlx::query_scalar::<_, Option<bool>>(
+        "SELECT bool_and(to_regclass(r.relation)::oid::int8 IS NOT DISTINCT FROM r.relation_oid) \
+         FROM synchro.captured_relations r WHERE r.relation = ANY($1)",
+    )
+    .bind(plan.relations().collect::<Vec<_>>())
+    .fetch_one(&store.pool)
+    .await
+    .map_err(db_error)?
+    .unwrap_or(false);
+    if !intact {
+        return Ok(Some(CaptureProblem::RelationDrift));
+    }
     let published: BTreeSet<String> = sqlx::query_scalar(
         "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
     )
@@ -180,9 +235,7 @@ async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
     .collect();
     let wanted: BTreeSet<String> = plan.relations().map(str::to_owned).collect();
     if published != wanted {
-        return Err(StoreError::Integrity(
-            "the capture publication does not hold exactly the captured relations".into(),
-        ));
+        return Ok(Some(CaptureProblem::RelationDrift));
     }
     for t in &plan.tables {
         let triggers: i64 = sqlx::query_scalar(
@@ -194,13 +247,10 @@ async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
         .await
         .map_err(db_error)?;
         if triggers != 2 {
-            return Err(StoreError::Integrity(format!(
-                "capture triggers on {} are missing or disabled",
-                t.relation
-            )));
+            return Ok(Some(CaptureProblem::CaptureDisabled));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A captured relation as its latest `Relation` message describes it.

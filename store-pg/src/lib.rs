@@ -17,7 +17,8 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use actors::capture::{
-    CapturePlan, CaptureProgress, DependencyRow, Effect, Materialization, Projection, Quarantine,
+    CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Materialization,
+    Projection, Quarantine,
 };
 use actors::config::DependencyAssignment;
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
@@ -117,6 +118,18 @@ impl Store for PgStore {
             .map_err(|_| StoreError::Integrity("capture plan lock poisoned".into()))? =
             Some(plan.clone());
         Ok(())
+    }
+
+    async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
+        let plan = self
+            .plan
+            .lock()
+            .map_err(|_| StoreError::Integrity("capture plan lock poisoned".into()))?
+            .clone();
+        match plan {
+            Some(plan) => capture::check(self, &plan).await,
+            None => Err(StoreError::Integrity("capture is not installed".into())),
+        }
     }
 
     async fn change_feed(&self) -> Result<Option<PgFeed>, StoreError> {

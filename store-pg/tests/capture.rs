@@ -211,3 +211,69 @@ async fn relation_drift_blocks_capture() {
     let q = tx.capture_progress().await.unwrap().quarantine.unwrap();
     assert_eq!(q.problem, CaptureProblem::RelationDrift);
 }
+
+/// A registered table dropped and recreated stops reaching the WAL stream:
+/// the running materializer notices while idle and blocks, and a restart
+/// refuses to install capture over the new table.
+#[tokio::test]
+async fn drop_and_recreate_blocks_capture() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "recreate").await;
+    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
+    wait_status(
+        &engine,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    sqlx::raw_sql(
+        "DROP TABLE public.templates; \
+         CREATE TABLE public.templates (id text PRIMARY KEY, name text NOT NULL, body text NOT NULL);",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    wait_status(
+        &engine,
+        |s| *s == CaptureStatus::Blocked(CaptureProblem::RelationDrift),
+        "blocked by drift",
+    )
+    .await;
+    assert!(!engine.ready().await);
+    drop(engine);
+
+    let again = PgStore::connect(cluster.connect_options("recreate"))
+        .await
+        .unwrap();
+    let refused = actors::Engine::start(again, fast_config(|s| s)).await;
+    let message = refused
+        .err()
+        .expect("capture refuses a recreated table")
+        .to_string();
+    assert!(
+        message.contains("public.templates was dropped and recreated"),
+        "{message}"
+    );
+}
+
+/// A capture trigger disabled by hand would stop versions and notes: capture blocks.
+#[tokio::test]
+async fn a_disabled_trigger_blocks_capture() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "disabled").await;
+    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
+    sqlx::raw_sql("ALTER TABLE public.notes DISABLE TRIGGER synchro_version")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    wait_status(
+        &engine,
+        |s| *s == CaptureStatus::Blocked(CaptureProblem::CaptureDisabled),
+        "blocked: trigger disabled",
+    )
+    .await;
+}

@@ -98,6 +98,8 @@ pub enum CaptureProblem {
     InvalidScopeId,
     /// An update without the previous projection that its unsent columns need.
     MissingProjection,
+    /// A capture trigger on a registered table is missing or disabled.
+    CaptureDisabled,
 }
 
 impl CaptureProblem {
@@ -111,6 +113,7 @@ impl CaptureProblem {
             CaptureProblem::InvalidValue => "invalid_value",
             CaptureProblem::InvalidScopeId => "invalid_scope_id",
             CaptureProblem::MissingProjection => "missing_projection",
+            CaptureProblem::CaptureDisabled => "capture_disabled",
         }
     }
 
@@ -124,6 +127,7 @@ impl CaptureProblem {
             CaptureProblem::InvalidValue,
             CaptureProblem::InvalidScopeId,
             CaptureProblem::MissingProjection,
+            CaptureProblem::CaptureDisabled,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)
@@ -337,9 +341,12 @@ pub struct CaptureProgress {
     pub quarantine: Option<Quarantine>,
 }
 
-/// A transaction that could not be materialized; it blocks capture.
+/// A transaction that could not be materialized, or a broken installation;
+/// either blocks capture.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Quarantine {
+    /// The blocked transaction's commit LSN; for a broken installation
+    /// found in the catalog, the end of durable progress.
     pub commit_lsn: Lsn,
     pub problem: CaptureProblem,
 }

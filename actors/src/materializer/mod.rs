@@ -139,6 +139,32 @@ pub async fn spawn<S: Store>(
     Ok(receiver)
 }
 
+/// Records a broken installation as the quarantine (at the end of durable
+/// progress) and blocks capture; it is checked again on every reopen.
+async fn block_installation<S: Store>(
+    store: &S,
+    durable_end: Lsn,
+    problem: CaptureProblem,
+    status: &watch::Sender<CaptureStatus>,
+) -> Result<(), StoreError> {
+    let mut tx = store.begin().await?;
+    tx.quarantine(&Quarantine {
+        commit_lsn: durable_end,
+        problem: problem.clone(),
+    })
+    .await?;
+    tx.commit().await?;
+    let blocked = CaptureStatus::Blocked(problem.clone());
+    if *status.borrow() != blocked {
+        tracing::error!(
+            class = problem.as_str(),
+            "capture blocked: installation broken"
+        );
+    }
+    status.send_replace(blocked);
+    Ok(())
+}
+
 /// Materializes from `feed` until the store fails or a transaction is quarantined.
 async fn lead<S: Store>(
     store: &S,
@@ -156,6 +182,9 @@ async fn lead<S: Store>(
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
+    if let Some(problem) = store.check_capture().await? {
+        return block_installation(store, progress.end_lsn, problem, status).await;
+    }
     let mut boundary = progress.boundary;
     let mut durable_end: Lsn = progress.end_lsn;
     let mut blocked = progress.quarantine.map(|q| q.problem);
@@ -178,6 +207,11 @@ async fn lead<S: Store>(
         let Some(first) = feed.next(limits.heartbeat).await? else {
             if status.is_closed() {
                 return Ok(()); // the engine is gone: give up leadership
+            }
+            // While idle, make sure nothing that feeds capture was dropped,
+            // recreated or disabled (that would silently stop the WAL).
+            if let Some(problem) = store.check_capture().await? {
+                return block_installation(store, durable_end, problem, status).await;
             }
             caught_up = Instant::now();
             if blocked.is_none() {

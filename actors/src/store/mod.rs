@@ -15,8 +15,8 @@ use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
 
 use crate::capture::{
-    CapturePlan, CaptureProgress, ChangeFeed, DependencyRow, Effect, Materialization, Projection,
-    Quarantine,
+    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
+    Materialization, Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
 
@@ -73,6 +73,13 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         plan: &CapturePlan,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether what `install_capture` installed still stands: `Some` names
+    /// what broke (a captured relation dropped, recreated or unpublished, a
+    /// capture trigger missing or disabled).
+    fn check_capture(
+        &self,
+    ) -> impl Future<Output = Result<Option<CaptureProblem>, StoreError>> + Send;
 
     /// Opens the change feed at the last acknowledged point, or `None` while
     /// another process leads capture.

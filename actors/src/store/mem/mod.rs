@@ -16,7 +16,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 
 use super::{ClientRecord, Store, StoreError, StoreTx};
 use crate::capture::{
-    CapturePlan, CaptureProgress, DependencyRow, Effect, Materialization, Projection, Quarantine,
+    CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Materialization,
+    Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
 pub use capture::{MemFeed, SourceError};
@@ -166,6 +167,11 @@ impl Store for MemStore {
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
         self.state.lock().await.capture.install(plan);
         Ok(())
+    }
+
+    async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
+        // MemStore has no DDL: what it installed cannot drift.
+        Ok(None)
     }
 
     async fn change_feed(&self) -> Result<Option<MemFeed>, StoreError> {
