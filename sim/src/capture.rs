@@ -271,15 +271,7 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
     let handle = Handle::current();
     let store = MemStore::with_seed(thread_rng().r#gen());
     NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
-    let database = {
-        let store = store.clone();
-        handle
-            .create_node()
-            .name("database")
-            .ip("10.0.0.2".parse().expect("ip"))
-            .init(move || remote::database_main(store.clone()))
-            .build()
-    };
+    let database = remote::database_node(&handle, store.clone());
     let _server = handle
         .create_node()
         .name("server")

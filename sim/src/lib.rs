@@ -237,15 +237,7 @@ pub async fn run(scenario: Scenario) -> Trace {
     let trace = Arc::new(Mutex::new(Trace::default()));
     NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
 
-    let database = {
-        let store = store.clone();
-        handle
-            .create_node()
-            .name("database")
-            .ip("10.0.0.2".parse().expect("ip"))
-            .init(move || remote::database_main(store.clone()))
-            .build()
-    };
+    let database = remote::database_node(&handle, store.clone());
     let server = handle
         .create_node()
         .name("server")

@@ -120,6 +120,19 @@ struct Reply {
     answer: Option<Answer>, // `None` answers Begin
 }
 
+/// Starts the database node (at [`DATABASE`]) serving `store`.
+pub fn database_node(
+    handle: &madsim::runtime::Handle,
+    store: MemStore,
+) -> madsim::runtime::NodeHandle {
+    handle
+        .create_node()
+        .name("database")
+        .ip("10.0.0.2".parse().expect("ip"))
+        .init(move || database_main(store.clone()))
+        .build()
+}
+
 /// The database node's program.
 pub async fn database_main(store: MemStore) {
     let ep = Arc::new(Endpoint::bind(DATABASE).await.expect("bind"));

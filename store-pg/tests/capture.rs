@@ -118,6 +118,21 @@ async fn capture_on_postgres() {
     repair_resumes(&repaired).await;
 }
 
+/// A fresh example database with an engine whose capture runs.
+async fn running_engine(cluster: &PgCluster, db: &str) -> (PgStore, actors::Engine) {
+    let store = example_store(cluster, db).await;
+    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
+    wait_status(
+        &engine,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    (store, engine)
+}
+
 async fn wait_status(engine: &actors::Engine, want: fn(&CaptureStatus) -> bool, what: &str) {
     for _ in 0..1000 {
         if want(&engine.capture_status()) {
@@ -183,16 +198,7 @@ async fn a_standby_takes_over_capture() {
 #[tokio::test]
 async fn relation_drift_blocks_capture() {
     let cluster = PgCluster::temp().unwrap();
-    let store = example_store(&cluster, "drift").await;
-    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
-        .await
-        .unwrap();
-    wait_status(
-        &engine,
-        |s| matches!(s, CaptureStatus::Running { .. }),
-        "running",
-    )
-    .await;
+    let (store, engine) = running_engine(&cluster, "drift").await;
     sqlx::raw_sql(
         "ALTER TABLE public.templates RENAME TO templates_old; \
          INSERT INTO public.templates_old (id, name, body) VALUES ('t', 'n', 'b');",
@@ -218,16 +224,7 @@ async fn relation_drift_blocks_capture() {
 #[tokio::test]
 async fn drop_and_recreate_blocks_capture() {
     let cluster = PgCluster::temp().unwrap();
-    let store = example_store(&cluster, "recreate").await;
-    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
-        .await
-        .unwrap();
-    wait_status(
-        &engine,
-        |s| matches!(s, CaptureStatus::Running { .. }),
-        "running",
-    )
-    .await;
+    let (store, engine) = running_engine(&cluster, "recreate").await;
     sqlx::raw_sql(
         "DROP TABLE public.templates; \
          CREATE TABLE public.templates (id text PRIMARY KEY, name text NOT NULL, body text NOT NULL);",
