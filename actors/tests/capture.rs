@@ -69,6 +69,11 @@ async fn a_repair_resumes_capture_from_the_blocked_transaction() {
 }
 
 #[tokio::test]
+async fn capture_state_conformance() {
+    actors::testkit::capture_store_suite(&MemStore::new()).await;
+}
+
+#[tokio::test]
 async fn truncate_blocks_capture() {
     truncate_blocks(&Mem {
         store: MemStore::new(),

@@ -22,6 +22,15 @@ fn integrity(what: &str) -> StoreError {
     StoreError::Integrity(format!("stored capture state is invalid: {what}"))
 }
 
+/// Maps a driver error, where a unique violation means the materializer's
+/// view of prior state was wrong (an integrity failure, never retryable).
+fn unique_is_integrity(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| match &e {
+        sqlx::Error::Database(d) if d.code().as_deref() == Some("23505") => integrity(what),
+        _ => db_error(e),
+    }
+}
+
 /// LSNs and ordinals are stored as bigint; PostgreSQL LSNs stay below 2^63.
 fn to_i64(v: u64) -> Result<i64, StoreError> {
     i64::try_from(v).map_err(|_| integrity("position beyond bigint"))
@@ -159,6 +168,39 @@ fn bounds(p: StreamPosition) -> Result<(i64, i64, i64), StoreError> {
     })
 }
 
+/// Binds the nine projection columns, in table order, as arrays.
+fn bind_projections<'q>(
+    q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    p: &'q [Projection],
+) -> Result<sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>, StoreError> {
+    let scopes: Vec<String> = p
+        .iter()
+        .map(|p| {
+            let list: Vec<Value> = p.scopes.iter().map(|s| Value::string(s.as_str())).collect();
+            json::to_canonical_string(&Value::Array(list))
+        })
+        .collect();
+    Ok(
+        q.bind(p.iter().map(|p| p.table_id.as_str()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.identity.as_bytes()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.key.as_str()).collect::<Vec<_>>())
+            .bind(
+                p.iter()
+                    .map(|p| json::to_canonical_string(&p.row))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(p.iter().map(|p| p.version.as_str()).collect::<Vec<_>>())
+            .bind(p.iter().map(|p| p.digest.0.to_vec()).collect::<Vec<_>>())
+            .bind(
+                p.iter()
+                    .map(|p| to_i64(p.schema_version))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+            .bind(p.iter().map(|p| p.tombstone).collect::<Vec<_>>())
+            .bind(scopes),
+    )
+}
+
 impl PgTx {
     pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         let r = sqlx::query(
@@ -288,47 +330,44 @@ impl PgTx {
         )
         .execute(&mut *tx)
         .await
-        .map_err(db_error)?;
+        .map_err(unique_is_integrity(
+            "a source transaction materialized twice",
+        ))?;
+        if !m.new_projections.is_empty() {
+            let p = &m.new_projections;
+            let inserted = sqlx::query(
+                "INSERT INTO synchro.projections (table_id, identity, key, row_json, version, digest, \
+                 schema_version, tombstone, scopes) \
+                 SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], \
+                 $6::bytea[], $7::int8[], $8::bool[], $9::text[])",
+            );
+            // A plain insert (cheaper than ON CONFLICT); a duplicate means the
+            // materializer's view of prior state was wrong: an integrity failure.
+            bind_projections(inserted, p)?
+                .execute(&mut *tx)
+                .await
+                .map_err(unique_is_integrity("a new projection already existed"))?;
+        }
         if !m.put_projections.is_empty() {
             let p = &m.put_projections;
-            let scopes: Vec<String> = p
-                .iter()
-                .map(|p| {
-                    let list: Vec<Value> =
-                        p.scopes.iter().map(|s| Value::string(s.as_str())).collect();
-                    json::to_canonical_string(&Value::Array(list))
-                })
-                .collect();
-            sqlx::query(
-                "INSERT INTO synchro.projections AS p (table_id, identity, key, row_json, version, digest, \
-                 schema_version, tombstone, scopes) \
-                 SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], $6::bytea[], \
-                 $7::int8[], $8::bool[], $9::text[]) \
-                 ON CONFLICT (table_id, identity) DO UPDATE SET key = EXCLUDED.key, \
-                 row_json = EXCLUDED.row_json, version = EXCLUDED.version, digest = EXCLUDED.digest, \
-                 schema_version = EXCLUDED.schema_version, tombstone = EXCLUDED.tombstone, \
-                 scopes = EXCLUDED.scopes",
-            )
-            .bind(p.iter().map(|p| p.table_id.as_str()).collect::<Vec<_>>())
-            .bind(p.iter().map(|p| p.identity.as_bytes()).collect::<Vec<_>>())
-            .bind(p.iter().map(|p| p.key.as_str()).collect::<Vec<_>>())
-            .bind(p.iter().map(|p| json::to_canonical_string(&p.row)).collect::<Vec<_>>())
-            .bind(p.iter().map(|p| p.version.as_str()).collect::<Vec<_>>())
-            .bind(p.iter().map(|p| p.digest.0.to_vec()).collect::<Vec<_>>())
-            .bind(
-                p.iter()
-                    .map(|p| to_i64(p.schema_version))
-                    .collect::<Result<Vec<_>, _>>()?,
-            )
-            .bind(p.iter().map(|p| p.tombstone).collect::<Vec<_>>())
-            .bind(scopes)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error)?;
+            let replaced = sqlx::query(
+                "UPDATE synchro.projections p SET key = u.k, row_json = u.r, version = u.v, \
+                 digest = u.d, schema_version = u.s, tombstone = u.tb, scopes = u.sc \
+                 FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::text[], $5::text[], \
+                 $6::bytea[], $7::int8[], $8::bool[], $9::text[]) AS u(t, i, k, r, v, d, s, tb, sc) \
+                 WHERE p.table_id = u.t AND p.identity = u.i",
+            );
+            let done = bind_projections(replaced, p)?
+                .execute(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            if done.rows_affected() != p.len() as u64 {
+                return Err(integrity("a replaced projection was absent"));
+            }
         }
         if !m.removed_projections.is_empty() {
             let r = &m.removed_projections;
-            sqlx::query(
+            let done = sqlx::query(
                 "DELETE FROM synchro.projections p USING UNNEST($1::text[], $2::bytea[]) AS u(t, i) \
                  WHERE p.table_id = u.t AND p.identity = u.i",
             )
@@ -337,6 +376,9 @@ impl PgTx {
             .execute(&mut *tx)
             .await
             .map_err(db_error)?;
+            if done.rows_affected() != r.len() as u64 {
+                return Err(integrity("a removed projection was absent"));
+            }
         }
         if !m.removed_dependencies.is_empty() {
             let r = &m.removed_dependencies;
@@ -407,7 +449,7 @@ impl PgTx {
             .bind(rows.iter().map(|r| r.as_ref().map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
             .execute(&mut *tx)
             .await
-            .map_err(db_error)?;
+            .map_err(unique_is_integrity("two effects at one position"))?;
         }
         if !m.fences.is_empty() {
             let fences = m

@@ -112,6 +112,9 @@ async fn capture_on_postgres() {
     };
     truncate_blocks(&truncated).await;
 
+    // The capture-state primitives, as on MemStore.
+    actors::testkit::capture_store_suite(&example_store(&cluster, "conformance").await).await;
+
     let repaired = Pg {
         store: example_store(&cluster, "repair").await,
     };

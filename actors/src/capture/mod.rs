@@ -319,8 +319,11 @@ pub struct Materialization {
     pub end_lsn: Lsn,
     /// Every source transaction included, in commit order.
     pub transactions: Vec<MaterializedTransaction>,
+    /// Projections of rows that had none before: inserted.
+    pub new_projections: Vec<Projection>,
+    /// Projections of rows that had one before: replaced.
     pub put_projections: Vec<Projection>,
-    /// (table_id, identity) of hard-deleted rows.
+    /// (table_id, identity) of hard-deleted rows that had a projection.
     pub removed_projections: Vec<(String, RowIdentity)>,
     pub put_dependencies: Vec<DependencyRow>,
     /// (relation, identity) of removed dependency rows.

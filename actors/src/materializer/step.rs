@@ -40,6 +40,8 @@ struct State {
     dependencies: BTreeMap<(String, String), Option<SourceImage>>,
     changed_rows: BTreeSet<(String, RowIdentity)>,
     changed_dependencies: BTreeSet<(String, String)>,
+    /// Rows that had a projection before the group.
+    existed: BTreeSet<(String, RowIdentity)>,
     /// How to undo the current transaction's changes if it cannot materialize.
     undo: Vec<Undo>,
 }
@@ -203,9 +205,9 @@ async fn prefetch<T: StoreTx>(
                 .insert((table_id.clone(), id.clone()), None);
         }
         for p in tx.projections(table_id, &identities).await? {
-            state
-                .projections
-                .insert((p.table_id.clone(), p.identity.clone()), Some(p));
+            let slot = (p.table_id.clone(), p.identity.clone());
+            state.existed.insert(slot.clone());
+            state.projections.insert(slot, Some(p));
         }
         // The dependency rows joined to these rows, for membership.
         for rule in &table.rules {
@@ -544,9 +546,12 @@ fn absorb(c: &mut Materialization, m: Materialization) {
 /// transaction left it: written once.
 fn finish(mut c: Materialization, state: &State) -> Materialization {
     for slot in &state.changed_rows {
+        let existed = state.existed.contains(slot);
         match state.projections.get(slot).cloned().flatten() {
-            Some(p) => c.put_projections.push(p),
-            None => c.removed_projections.push(slot.clone()),
+            Some(p) if existed => c.put_projections.push(p),
+            Some(p) => c.new_projections.push(p),
+            None if existed => c.removed_projections.push(slot.clone()),
+            None => {} // created and deleted within the group
         }
     }
     for slot in &state.changed_dependencies {
@@ -659,8 +664,9 @@ mod tests {
         assert_eq!(m.commit_lsn, 10);
         assert_eq!(m.transactions.len(), 1);
         assert!(m.put_dependencies.is_empty() && m.removed_dependencies.is_empty());
-        assert_eq!(m.put_projections.len(), 1);
-        let scopes: Vec<&str> = m.put_projections[0]
+        assert!(m.put_projections.is_empty() && m.removed_projections.is_empty());
+        assert_eq!(m.new_projections.len(), 1);
+        let scopes: Vec<&str> = m.new_projections[0]
             .scopes
             .iter()
             .map(ScopeId::as_str)

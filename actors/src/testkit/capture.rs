@@ -435,3 +435,291 @@ pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
     assert_eq!(summary(&manifest, &public), ["upsert \"tpl-1\""]);
     ready_becomes(&engine, true, "repaired").await;
 }
+
+/// The capture-state primitives on any store, with the same results: what a
+/// materialization writes reads back exactly, and every write the
+/// materializer's view of prior state forbids is an integrity failure that
+/// rolls back. The store must be fresh.
+pub async fn capture_store_suite<S: Store>(store: &S) {
+    use std::collections::BTreeSet;
+
+    use protocol::digest::Digest;
+    use protocol::ids::ServerVersion;
+    use protocol::value::{PortableType, decode_key};
+
+    use crate::capture::{
+        CapturedRow, DependencyRow, Materialization, MaterializedTransaction, Projection,
+        Quarantine,
+    };
+    use crate::store::StoreError;
+
+    let manifest = Manifest::new(
+        1,
+        None,
+        protocol::manifest::TransitionClass::Initial,
+        1,
+        example_config(|s| s).table_manifests().unwrap(),
+    )
+    .unwrap();
+    let table = manifest.table("tbl_templates").unwrap();
+    let key = decode_key(PortableType::String, &Value::string("tpl-1")).unwrap();
+    let identity = protocol::digest::RowIdentity::of(table, &key);
+    let row = json::parse(
+        br#"{"fld_templates_body":"b","fld_templates_id":"tpl-1","fld_templates_name":"n"}"#,
+    )
+    .unwrap();
+    let projection = |version: &str, scopes: &[&str]| Projection {
+        table_id: "tbl_templates".into(),
+        identity: identity.clone(),
+        key: "tpl-1".into(),
+        row: row.clone(),
+        version: ServerVersion::parse(version).unwrap(),
+        digest: Digest([7; 32]),
+        schema_version: 1,
+        tombstone: false,
+        scopes: scopes.iter().map(|s| ScopeId::parse(s).unwrap()).collect(),
+    };
+    let scope = ScopeId::parse("templates_public").unwrap();
+    let effect = |lsn: u64, op: EffectOp| Effect {
+        scope: scope.clone(),
+        commit_lsn: lsn,
+        event_ordinal: 0,
+        effect_ordinal: 0,
+        table_id: "tbl_templates".into(),
+        identity: identity.clone(),
+        key: Value::string("tpl-1"),
+        op,
+    };
+    let captured = CapturedRow {
+        row: json::to_canonical_string(&row),
+        version: ServerVersion::parse("v1").unwrap(),
+        digest: Digest([7; 32]),
+    };
+    let share = DependencyRow {
+        relation: "public.note_shares".into(),
+        identity: r#"{"note_id":"n1","team_id":"red"}"#.into(),
+        image: [("note_id", "n1"), ("team_id", "red")]
+            .iter()
+            .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
+            .collect(),
+    };
+    let at = |lsn: u64| Materialization {
+        commit_lsn: lsn,
+        end_lsn: lsn + 8,
+        transactions: vec![MaterializedTransaction {
+            commit_lsn: lsn,
+            end_lsn: lsn + 8,
+            row_events: 1,
+        }],
+        ..Materialization::default()
+    };
+
+    // Fresh: generation start, nothing stored.
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    assert_eq!(
+        (p.boundary, p.end_lsn, p.quarantine),
+        (Boundary::GenerationStart, 0, None)
+    );
+    assert!(
+        tx.projections("tbl_templates", std::slice::from_ref(&identity))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    tx.commit().await.unwrap();
+
+    // A materialization writes everything and moves progress.
+    let mut first = at(100);
+    first
+        .new_projections
+        .push(projection("v1", &["templates_public"]));
+    first.put_dependencies.push(share.clone());
+    first
+        .effects
+        .push(effect(100, EffectOp::Upsert(captured.clone())));
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(&first).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    assert_eq!(
+        (p.boundary, p.end_lsn),
+        (Boundary::TransactionEnd { commit_lsn: 100 }, 108)
+    );
+    assert_eq!(
+        tx.projections("tbl_templates", std::slice::from_ref(&identity))
+            .await
+            .unwrap(),
+        [projection("v1", &["templates_public"])]
+    );
+    assert_eq!(
+        tx.dependency_rows_by_identity(
+            "public.note_shares",
+            &[share.identity.clone(), "{}".into()]
+        )
+        .await
+        .unwrap(),
+        [share.clone()]
+    );
+    assert_eq!(
+        tx.dependency_rows("public.note_shares", "note_id", &["n1".into(), "n2".into()])
+            .await
+            .unwrap(),
+        [share.clone()]
+    );
+    assert!(
+        tx.dependency_rows("public.note_shares", "team_id", &["n1".into()])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        tx.scope_effects(
+            &scope,
+            StreamPosition::GenerationStart,
+            Boundary::TransactionEnd { commit_lsn: 100 }
+        )
+        .await
+        .unwrap(),
+        [effect(100, EffectOp::Upsert(captured.clone()))]
+    );
+    // Position bounds: after the effect, or through an earlier boundary, nothing.
+    assert!(
+        tx.scope_effects(
+            &scope,
+            effect(100, EffectOp::Delete(None)).position(),
+            Boundary::TransactionEnd { commit_lsn: 100 }
+        )
+        .await
+        .unwrap()
+        .is_empty()
+    );
+    assert!(
+        tx.scope_effects(
+            &scope,
+            StreamPosition::GenerationStart,
+            Boundary::TransactionEnd { commit_lsn: 99 }
+        )
+        .await
+        .unwrap()
+        .is_empty()
+    );
+    tx.commit().await.unwrap();
+
+    // Each write the prior state forbids fails as an integrity failure and writes nothing.
+    let mut twice = at(200);
+    twice.new_projections.push(projection("v2", &[]));
+    let mut absent = at(200);
+    absent.removed_projections.push((
+        "tbl_templates".into(),
+        protocol::digest::RowIdentity::from_bytes(vec![1]),
+    ));
+    let mut replaced_absent = at(200);
+    let mut other = projection("v2", &[]);
+    other.identity = protocol::digest::RowIdentity::from_bytes(vec![2]);
+    replaced_absent.put_projections.push(other);
+    let mut same_position = at(200);
+    same_position
+        .effects
+        .push(effect(200, EffectOp::Delete(None)));
+    same_position
+        .effects
+        .push(effect(200, EffectOp::Delete(None)));
+    let mut tx_twice = at(200);
+    tx_twice.transactions.push(tx_twice.transactions[0]);
+    for (what, m) in [
+        ("progress does not advance", at(100)),
+        ("a new projection that exists", twice),
+        ("removing an absent projection", absent),
+        ("replacing an absent projection", replaced_absent),
+        ("two effects at one position", same_position),
+        ("one source transaction twice", tx_twice),
+    ] {
+        let mut tx = store.begin().await.unwrap();
+        let r = tx.materialize(&m).await;
+        assert!(matches!(r, Err(StoreError::Integrity(_))), "{what}: {r:?}");
+        drop(tx);
+        let mut tx = store.begin().await.unwrap();
+        assert_eq!(
+            tx.capture_progress().await.unwrap().end_lsn,
+            108,
+            "{what}: nothing written"
+        );
+        tx.commit().await.unwrap();
+    }
+
+    // Replacing, removing, and a quarantine that the next materialization clears.
+    let mut second = at(300);
+    second.put_projections.push(projection("v2", &[]));
+    second
+        .removed_dependencies
+        .push(("public.note_shares".into(), share.identity.clone()));
+    second.effects.push(effect(300, EffectOp::Delete(None)));
+    let mut tx = store.begin().await.unwrap();
+    tx.quarantine(&Quarantine {
+        commit_lsn: 250,
+        problem: CaptureProblem::Truncate,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let q = tx.capture_progress().await.unwrap().quarantine;
+    assert_eq!(
+        q,
+        Some(Quarantine {
+            commit_lsn: 250,
+            problem: CaptureProblem::Truncate
+        })
+    );
+    tx.materialize(&second).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    assert_eq!(
+        (p.boundary, p.quarantine),
+        (Boundary::TransactionEnd { commit_lsn: 300 }, None)
+    );
+    let stored = tx
+        .projections("tbl_templates", std::slice::from_ref(&identity))
+        .await
+        .unwrap();
+    assert_eq!(stored[0].scopes, BTreeSet::new());
+    assert!(
+        tx.dependency_rows("public.note_shares", "note_id", &["n1".into()])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let all = tx
+        .scope_effects(
+            &scope,
+            StreamPosition::GenerationStart,
+            Boundary::TransactionEnd { commit_lsn: 300 },
+        )
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 2);
+    let after_first = tx
+        .scope_effects(
+            &scope,
+            all[0].position(),
+            Boundary::TransactionEnd { commit_lsn: 300 },
+        )
+        .await
+        .unwrap();
+    assert_eq!(after_first, [effect(300, EffectOp::Delete(None))]);
+    let mut third = at(400);
+    third
+        .removed_projections
+        .push(("tbl_templates".into(), identity.clone()));
+    tx.materialize(&third).await.unwrap();
+    assert!(
+        tx.projections("tbl_templates", std::slice::from_ref(&identity))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    tx.commit().await.unwrap();
+}

@@ -11,7 +11,8 @@ use crate::config::SyncConfig;
 
 mod capture;
 pub use capture::{
-    CaptureWorld, Write, capture_suite, fast_config, repair_resumes, truncate_blocks,
+    CaptureWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
+    truncate_blocks,
 };
 
 /// The example config (`examples/notes/config.toml`).

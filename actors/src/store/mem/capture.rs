@@ -395,12 +395,23 @@ impl MemTx {
                 "materialization must advance progress".into(),
             ));
         }
+        let integrity = |what: &str| StoreError::Integrity(format!("projection {what}"));
+        for p in &m.new_projections {
+            let slot = (p.table_id.clone(), p.identity.clone());
+            if c.projections.insert(slot, p.clone()).is_some() {
+                return Err(integrity("inserted twice"));
+            }
+        }
         for p in &m.put_projections {
-            c.projections
-                .insert((p.table_id.clone(), p.identity.clone()), p.clone());
+            let slot = (p.table_id.clone(), p.identity.clone());
+            if c.projections.insert(slot, p.clone()).is_none() {
+                return Err(integrity("replaced but absent"));
+            }
         }
         for (t, r) in &m.removed_projections {
-            c.projections.remove(&(t.clone(), r.clone()));
+            if c.projections.remove(&(t.clone(), r.clone())).is_none() {
+                return Err(integrity("removed but absent"));
+            }
         }
         for d in &m.put_dependencies {
             c.dependencies
