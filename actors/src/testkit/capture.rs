@@ -560,13 +560,13 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         )
         .await
         .unwrap(),
-        [share.clone()]
+        std::slice::from_ref(&share)
     );
     assert_eq!(
         tx.dependency_rows("public.note_shares", "note_id", &["n1".into(), "n2".into()])
             .await
             .unwrap(),
-        [share.clone()]
+        std::slice::from_ref(&share)
     );
     assert!(
         tx.dependency_rows("public.note_shares", "team_id", &["n1".into()])
