@@ -262,10 +262,7 @@ async fn drop_and_recreate_blocks_capture() {
 #[tokio::test]
 async fn a_disabled_trigger_blocks_capture() {
     let cluster = PgCluster::temp().unwrap();
-    let store = example_store(&cluster, "disabled").await;
-    let engine = actors::Engine::start(store.clone(), fast_config(|s| s))
-        .await
-        .unwrap();
+    let (store, engine) = running_engine(&cluster, "disabled").await;
     sqlx::raw_sql("ALTER TABLE public.notes DISABLE TRIGGER synchro_version")
         .execute(store.pool())
         .await

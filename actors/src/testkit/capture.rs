@@ -49,6 +49,12 @@ const N2: &str = "00000000-0000-4000-8000-000000000002";
 const N3: &str = "00000000-0000-4000-8000-000000000003";
 const N4: &str = "00000000-0000-4000-8000-000000000004";
 const T: &str = "2026-07-18 14:00:01.5+00";
+/// One template row.
+const TEMPLATE: [(&str, Option<&str>); 3] = [
+    ("id", Some("tpl-1")),
+    ("name", Some("Daily")),
+    ("body", Some("x")),
+];
 
 fn note<'a>(id: &'a str, owner: &'a str) -> [(&'a str, Option<&'a str>); 7] {
     [
@@ -160,11 +166,6 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
         let mut tx = store.begin().await.unwrap();
         tx.manifests().await.unwrap().pop().unwrap()
     };
-    let templates: [(&str, Option<&str>); 3] = [
-        ("id", Some("tpl-1")),
-        ("name", Some("Daily")),
-        ("body", Some("x")),
-    ];
     let tpl2: [(&str, Option<&str>); 3] = [
         ("id", Some("tpl-2")),
         ("name", Some("Weekly")),
@@ -179,7 +180,7 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     let steps: Vec<Vec<Write<'_>>> = vec![
         // 0: one template, one note.
         vec![
-            Write::Insert("public.templates", &templates),
+            Write::Insert("public.templates", &TEMPLATE),
             Write::Insert("public.notes", &n1),
         ],
         // 1: one transaction touching three scopes.
@@ -325,13 +326,8 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
     let engine = Engine::start(store.clone(), fast_config(|s| s))
         .await
         .unwrap();
-    let tpl: [(&str, Option<&str>); 3] = [
-        ("id", Some("tpl-1")),
-        ("name", Some("Daily")),
-        ("body", Some("x")),
-    ];
     let lsn = world
-        .write(&[Write::Insert("public.templates", &tpl)])
+        .write(&[Write::Insert("public.templates", &TEMPLATE)])
         .await;
     assert_eq!(settle(&store, lsn).await.quarantine, None);
     ready_becomes(&engine, true, "capture runs").await;
@@ -349,7 +345,7 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
 
     // Later writes wait behind the quarantined transaction, which is retried, not skipped.
     let later = world
-        .write(&[Write::Insert("public.templates", &tpl)])
+        .write(&[Write::Insert("public.templates", &TEMPLATE)])
         .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut tx = store.begin().await.unwrap();
@@ -388,13 +384,8 @@ pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
         progress.quarantine.map(|q| q.problem),
         Some(CaptureProblem::InvalidScopeId)
     );
-    let tpl: [(&str, Option<&str>); 3] = [
-        ("id", Some("tpl-1")),
-        ("name", Some("n")),
-        ("body", Some("b")),
-    ];
     let later = world
-        .write(&[Write::Insert("public.templates", &tpl)])
+        .write(&[Write::Insert("public.templates", &TEMPLATE)])
         .await;
     ready_becomes(&engine, false, "capture is blocked").await;
     drop(engine);
