@@ -178,6 +178,10 @@ async fn latency(cluster: &PgCluster) {
 
 #[tokio::main]
 async fn main() {
+    // Warnings (a failed store call, a reopened feed) would explain a slow run.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
     let cluster = PgCluster::temp().unwrap();
     println!("materializer on the notes example, {ROWS} inserted rows per workload");
     throughput(&cluster, "one_row_tx", 1).await;
