@@ -150,7 +150,12 @@ impl PgCluster {
              -c synchronous_commit=on"
         );
         if for_tests {
-            options.push_str(" -c fsync=off -c full_page_writes=off");
+            // Every test database runs its own capture (a slot, a walsender,
+            // a leader connection): room for many at once.
+            options.push_str(
+                " -c fsync=off -c full_page_writes=off -c max_connections=300 \
+                 -c max_replication_slots=64 -c max_wal_senders=64",
+            );
         }
         let mut start = cluster.command("pg_ctl");
         start

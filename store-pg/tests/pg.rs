@@ -16,8 +16,16 @@ async fn pgstore() {
     let store = example_store(&cluster, "conformance").await;
     store_suite(&store).await;
 
-    // The cluster runs with logical decoding available.
+    // The cluster runs with logical decoding available, with room for a
+    // capture (slot and walsender) per test database.
     catalog::check_server(store.pool()).await.unwrap();
+    for (setting, want) in [("max_wal_senders", "64"), ("max_replication_slots", "64")] {
+        let got: String = sqlx::query_scalar(&format!("SHOW {setting}"))
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{setting}");
+    }
     // A role without privileges is told exactly what it lacks.
     sqlx::raw_sql("CREATE ROLE weak LOGIN")
         .execute(store.pool())
