@@ -11,6 +11,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
 use crate::capture::CapturePlan;
 use crate::config::SyncConfig;
+use crate::ledger::{self, Ledger};
 use crate::materializer::{self, CaptureStatus, MaterializerLimits};
 use crate::registry::{Registry, RegistryError};
 use crate::store::Store;
@@ -70,10 +71,19 @@ enum RegistryMsg {
     },
 }
 
+/// One push for the ledger.
+struct PushMsg {
+    user_id: String,
+    body: Vec<u8>,
+    now_micros: i64,
+    reply: oneshot::Sender<Reply>,
+}
+
 /// Handles to the running actors. Cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
+    ledger: mpsc::Sender<PushMsg>,
     capture: watch::Receiver<CaptureStatus>,
     max_heartbeat_age: Duration,
     max_lag: Duration,
@@ -87,6 +97,8 @@ const REGISTRY_INBOX: usize = 1024;
 /// proceed in parallel. When all permits are taken the inbox fills and
 /// callers wait (backpressure, not unbounded tasks).
 const PARALLEL_CONNECTS: usize = 64;
+/// Pushes executing at once; the client row lock serializes one client's.
+const PARALLEL_PUSHES: usize = 64;
 
 impl Engine {
     /// Loads the registry from `store`, installs capture and starts the actors.
@@ -96,6 +108,29 @@ impl Engine {
             .install_capture(&CapturePlan::new(&config))
             .await
             .map_err(RegistryError::Store)?;
+        store
+            .install_push(&ledger::write_targets(&config))
+            .await
+            .map_err(RegistryError::Store)?;
+        let ledger = Arc::new(
+            Ledger::new(store.clone(), &config, registry.history().clone())
+                .map_err(RegistryError::Config)?,
+        );
+        let (push_tx, mut push_rx) = mpsc::channel::<PushMsg>(REGISTRY_INBOX);
+        let push_permits = Arc::new(Semaphore::new(PARALLEL_PUSHES));
+        tokio::spawn(async move {
+            while let Some(msg) = push_rx.recv().await {
+                let Ok(permit) = push_permits.clone().acquire_owned().await else {
+                    break;
+                };
+                let ledger = ledger.clone();
+                tokio::spawn(async move {
+                    let reply = ledger.push(&msg.user_id, &msg.body, msg.now_micros).await;
+                    let _ = msg.reply.send(reply);
+                    drop(permit);
+                });
+            }
+        });
         let limits = MaterializerLimits {
             heartbeat: Duration::from_millis(config.capture.heartbeat_ms),
             retry: Duration::from_millis(config.capture.retry_ms),
@@ -143,6 +178,7 @@ impl Engine {
         });
         Ok(Engine {
             registry: tx,
+            ledger: push_tx,
             capture,
             max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
             max_lag: Duration::from_millis(config.capture.max_lag_ms),
@@ -167,6 +203,21 @@ impl Engine {
         })
         .await
         .unwrap_or_else(unavailable)
+    }
+
+    /// `POST /sync/push` for an authenticated user.
+    pub async fn push(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        let (reply, rx) = oneshot::channel();
+        let msg = PushMsg {
+            user_id: user_id.to_owned(),
+            body,
+            now_micros,
+            reply,
+        };
+        if self.ledger.send(msg).await.is_err() {
+            return unavailable();
+        }
+        rx.await.unwrap_or_else(|_| unavailable())
     }
 
     /// `GET /sync/schema`.

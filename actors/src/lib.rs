@@ -7,6 +7,7 @@
 pub mod capture;
 pub mod config;
 pub mod engine;
+pub mod ledger;
 pub mod materializer;
 pub mod registry;
 pub mod store;

@@ -126,6 +126,16 @@ impl SchemaHistory {
         self.manifests.last()
     }
 
+    /// The stored manifest with this reference.
+    pub fn find(&self, r: &SchemaRef) -> Option<&Arc<Manifest>> {
+        self.manifests.iter().find(|m| m.reference() == *r)
+    }
+
+    /// Whether any stored manifest has (or had) this table.
+    pub fn ever_had_table(&self, table_id: &str) -> bool {
+        self.manifests.iter().any(|m| m.table(table_id).is_some())
+    }
+
     /// The lineage of `r` to the current manifest.
     pub fn lineage(&self, r: &SchemaRef) -> Lineage {
         let Some(i) = self.manifests.iter().position(|m| m.reference() == *r) else {
@@ -326,6 +336,11 @@ impl<S: Store> Registry<S> {
         })
     }
 
+    /// The schema history this registry serves.
+    pub fn history(&self) -> &SchemaHistory {
+        &self.history
+    }
+
     /// Whether the store answers.
     pub async fn ready(&self) -> bool {
         match self.store.begin().await {
@@ -434,6 +449,7 @@ impl<S: Store> Registry<S> {
             installed_schema: None,
             scope_set_version: 0,
             assigned: BTreeSet::new(),
+            accepted_write_epoch: 0,
         };
         let sentinel_misuse = || {
             let received = schema_value(&req.schema);
@@ -607,7 +623,7 @@ fn schema_value(s: &ConnectSchema) -> Value {
 }
 
 /// `n + 1`, failing before the portable range is left.
-fn next_counter(n: u64) -> Result<u64, ProtocolError> {
+pub(crate) fn next_counter(n: u64) -> Result<u64, ProtocolError> {
     if n >= MAX_SAFE_INTEGER {
         return Err(ProtocolError::new(ErrorKind::SyncIntegrityFailure)
             .with_message("a counter would leave the portable range"));

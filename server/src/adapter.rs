@@ -29,6 +29,7 @@ pub struct AppState {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/sync/connect", post(connect))
+        .route("/sync/push", post(push))
         .route("/ready", get(ready))
         .route("/sync/schema", get(schema))
         .route("/sync/tables", get(tables))
@@ -115,6 +116,14 @@ async fn connect(State(state): State<AppState>, headers: HeaderMap, body: Body) 
                 .connect(&user, bytes.to_vec(), now_micros())
                 .await,
         ),
+        Err(response) => response,
+    }
+}
+
+/// The push result is the stored canonical response: forwarded unchanged.
+async fn push(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match intake(&state, &headers, body).await {
+        Ok((user, bytes)) => respond(state.engine.push(&user, bytes.to_vec(), now_micros()).await),
         Err(response) => response,
     }
 }

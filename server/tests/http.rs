@@ -125,6 +125,14 @@ impl Harness for Http {
 
     async fn restart(&mut self, config: &SyncConfig) {
         self.server.task.abort();
+        // The operator migrates the tables with the config: every synced column exists.
+        sqlx::raw_sql(
+            "ALTER TABLE public.notes ADD COLUMN IF NOT EXISTS color text, ADD COLUMN IF NOT EXISTS rank int;
+             ALTER TABLE public.templates ADD COLUMN IF NOT EXISTS rank int;",
+        )
+        .execute(self.store.pool())
+        .await
+        .unwrap();
         self.server = start_server(self.store.clone(), config, self.auth.clone()).await;
     }
 

@@ -16,11 +16,14 @@ use actors::capture::{
     Materialization, Projection, Quarantine, SourceTransaction,
 };
 use actors::config::DependencyAssignment;
+use actors::ledger::contract::{
+    FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
+};
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use madsim::net::Endpoint;
 use madsim::time::{Instant, sleep, timeout};
 use protocol::digest::RowIdentity;
-use protocol::ids::ScopeId;
+use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
 use tokio::sync::mpsc;
@@ -51,6 +54,15 @@ enum Op {
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
     ScopeEffects(ScopeId, StreamPosition, Boundary),
+    PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
+    RecordPush(Box<PushRecord>),
+    BeginWrites(Writer),
+    FindRows(Box<WriteTarget>, Vec<String>),
+    WriteRow(Box<WriteTarget>, String, RowWrite),
+    MarkGroup,
+    CheckConstraints,
+    UndoGroup,
+    EndWrites,
     Commit,
     /// The owner dropped the transaction: roll back now (a closed connection).
     Rollback,
@@ -65,6 +77,10 @@ enum Answer {
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
+    Ledger(Result<LedgerEntries, StoreError>),
+    Found(Result<Vec<FoundRow>, StoreError>),
+    Written(Result<WriteResult, StoreError>),
+    Refusal(Result<Option<Refusal>, StoreError>),
     Check(Result<Option<CaptureProblem>, StoreError>),
     /// A feed: opened (leader) or refused (standby).
     Feed(Result<Option<Box<SourceTransaction>>, StoreError>),
@@ -96,6 +112,10 @@ enum Request {
     },
     CheckCapture {
         id: u64,
+    },
+    InstallPush {
+        id: u64,
+        targets: Vec<WriteTarget>,
     },
     /// Opens a feed (if this caller may lead capture).
     FeedOpen {
@@ -169,6 +189,13 @@ pub async fn database_main(store: MemStore) {
                 let (store, ep) = (store.clone(), ep.clone());
                 madsim::task::spawn(async move {
                     let answer = Answer::Unit(store.install_capture(&plan).await);
+                    reply(&ep, from, id, 0, answer).await;
+                });
+            }
+            Request::InstallPush { id, targets } => {
+                let (store, ep) = (store.clone(), ep.clone());
+                madsim::task::spawn(async move {
+                    let answer = Answer::Unit(store.install_push(&targets).await);
                     reply(&ep, from, id, 0, answer).await;
                 });
             }
@@ -304,6 +331,17 @@ async fn transaction(
                 Answer::Effects(tx.scope_effects(&scope, after, through).await),
                 false,
             ),
+            Op::PushLedger(u, c, b, ids) => {
+                (Answer::Ledger(tx.push_ledger(&u, &c, b, &ids).await), false)
+            }
+            Op::RecordPush(r) => (Answer::Unit(tx.record_push(&r).await), false),
+            Op::BeginWrites(w) => (Answer::Unit(tx.begin_writes(&w).await), false),
+            Op::FindRows(t, keys) => (Answer::Found(tx.find_rows(&t, &keys).await), false),
+            Op::WriteRow(t, key, w) => (Answer::Written(tx.write_row(&t, &key, &w).await), false),
+            Op::MarkGroup => (Answer::Unit(tx.mark_group().await), false),
+            Op::CheckConstraints => (Answer::Refusal(tx.check_constraints().await), false),
+            Op::UndoGroup => (Answer::Unit(tx.undo_group().await), false),
+            Op::EndWrites => (Answer::Unit(tx.end_writes().await), false),
             Op::Commit => (Answer::Unit(Ok(())), true),
             Op::Rollback => return,
         };
@@ -412,6 +450,23 @@ impl Store for RemoteStore {
         let request = Request::InstallCapture {
             id,
             plan: plan.clone(),
+        };
+        ep.send_to_raw(db, DB_REQUEST, Box::new(request))
+            .await
+            .map_err(|_| lost())?;
+        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn install_push(&self, targets: &[WriteTarget]) -> Result<(), StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        let request = Request::InstallPush {
+            id,
+            targets: targets.to_vec(),
         };
         ep.send_to_raw(db, DB_REQUEST, Box::new(request))
             .await
@@ -539,6 +594,16 @@ impl ChangeFeed for RemoteFeed {
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
         match self.call(FeedOp::Acknowledge(end_lsn)).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+}
+
+impl RemoteTx {
+    /// An operation whose answer is `()`.
+    async fn unit(&mut self, op: Op) -> Result<(), StoreError> {
+        match self.call(op).await? {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
@@ -683,6 +748,79 @@ impl StoreTx for RemoteTx {
             Answer::Effects(r) => r,
             _ => Err(mismatch()),
         }
+    }
+
+    async fn push_ledger(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        batch_id: CanonicalUuid,
+        mutation_ids: &[CanonicalUuid],
+    ) -> Result<LedgerEntries, StoreError> {
+        let op = Op::PushLedger(
+            user_id.to_owned(),
+            client_id.to_owned(),
+            batch_id,
+            mutation_ids.to_vec(),
+        );
+        match self.call(op).await? {
+            Answer::Ledger(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn record_push(&mut self, r: &PushRecord) -> Result<(), StoreError> {
+        self.unit(Op::RecordPush(Box::new(r.clone()))).await
+    }
+
+    async fn begin_writes(&mut self, w: &Writer) -> Result<(), StoreError> {
+        self.unit(Op::BeginWrites(w.clone())).await
+    }
+
+    async fn find_rows(
+        &mut self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> Result<Vec<FoundRow>, StoreError> {
+        match self
+            .call(Op::FindRows(Box::new(target.clone()), keys.to_vec()))
+            .await?
+        {
+            Answer::Found(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn write_row(
+        &mut self,
+        target: &WriteTarget,
+        key: &str,
+        write: &RowWrite,
+    ) -> Result<WriteResult, StoreError> {
+        let op = Op::WriteRow(Box::new(target.clone()), key.to_owned(), write.clone());
+        match self.call(op).await? {
+            Answer::Written(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn mark_group(&mut self) -> Result<(), StoreError> {
+        self.unit(Op::MarkGroup).await
+    }
+
+    async fn check_constraints(&mut self) -> Result<Option<Refusal>, StoreError> {
+        match self.call(Op::CheckConstraints).await? {
+            Answer::Refusal(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn undo_group(&mut self) -> Result<(), StoreError> {
+        self.unit(Op::UndoGroup).await
+    }
+
+    async fn end_writes(&mut self) -> Result<(), StoreError> {
+        self.unit(Op::EndWrites).await
     }
 
     async fn commit(mut self) -> Result<(), StoreError> {

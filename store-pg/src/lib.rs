@@ -12,6 +12,7 @@ pub mod catalog;
 pub mod cluster;
 mod materialized;
 pub mod pgoutput;
+mod push;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -21,9 +22,12 @@ use actors::capture::{
     Projection, Quarantine,
 };
 use actors::config::DependencyAssignment;
+use actors::ledger::contract::{
+    FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
+};
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
 use protocol::digest::{Digest, RowIdentity};
-use protocol::ids::ScopeId;
+use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::json;
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
@@ -40,6 +44,8 @@ pub struct PgStore {
     feed_target: FeedTarget,
     /// What `install_capture` installed; the feed checks relations against it.
     plan: Arc<Mutex<Option<CapturePlan>>>,
+    /// What `install_push` read from the catalog: each written relation's types.
+    writes: push::WriteCatalog,
 }
 
 /// Maps a driver error: transient ones are retryable, the rest are integrity failures.
@@ -92,6 +98,7 @@ impl PgStore {
             options,
             feed_target,
             plan: Arc::new(Mutex::new(None)),
+            writes: Default::default(),
         })
     }
 
@@ -104,6 +111,9 @@ impl PgStore {
 /// One PostgreSQL transaction.
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
+    writes: push::WriteCatalog,
+    /// A write's savepoint is open (released by the next write's).
+    savepoint_open: bool,
 }
 
 impl Store for PgStore {
@@ -136,9 +146,15 @@ impl Store for PgStore {
         capture::open(self).await
     }
 
+    async fn install_push(&self, targets: &[WriteTarget]) -> Result<(), StoreError> {
+        push::install(self, targets).await
+    }
+
     async fn begin(&self) -> Result<PgTx, StoreError> {
         Ok(PgTx {
             tx: self.pool.begin().await.map_err(db_error)?,
+            writes: self.writes.clone(),
+            savepoint_open: false,
         })
     }
 }
@@ -202,7 +218,8 @@ impl StoreTx for PgTx {
 
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
         let row = sqlx::query(
-            "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned \
+            "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
+               accepted_write_epoch \
              FROM synchro.clients WHERE client_id = $1 FOR UPDATE",
         )
         .bind(client_id)
@@ -232,6 +249,7 @@ impl StoreTx for PgTx {
                 .iter()
                 .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
                 .collect::<Result<BTreeSet<_>, _>>()?,
+            accepted_write_epoch: counter(r.try_get(7).map_err(db_error)?, "accepted_write_epoch")?,
         }))
     }
 
@@ -239,12 +257,13 @@ impl StoreTx for PgTx {
         let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
         sqlx::query(
             "INSERT INTO synchro.clients \
-               (client_id, user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+               (client_id, user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
+                accepted_write_epoch) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
              ON CONFLICT (client_id) DO UPDATE SET user_id = EXCLUDED.user_id, generation = EXCLUDED.generation, \
                retired = EXCLUDED.retired, installed_version = EXCLUDED.installed_version, \
                installed_hash = EXCLUDED.installed_hash, scope_set_version = EXCLUDED.scope_set_version, \
-               assigned = EXCLUDED.assigned",
+               assigned = EXCLUDED.assigned, accepted_write_epoch = EXCLUDED.accepted_write_epoch",
         )
         .bind(&c.client_id)
         .bind(&c.user_id)
@@ -254,6 +273,7 @@ impl StoreTx for PgTx {
         .bind(c.installed_schema.map(|s| s.hash.to_hex()))
         .bind(c.scope_set_version as i64)
         .bind(&assigned)
+        .bind(c.accepted_write_epoch as i64)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
@@ -337,6 +357,58 @@ impl StoreTx for PgTx {
         self.read_scope_effects(scope, after, through).await
     }
 
+    async fn push_ledger(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        batch_id: CanonicalUuid,
+        mutation_ids: &[CanonicalUuid],
+    ) -> Result<LedgerEntries, StoreError> {
+        self.read_push_ledger(user_id, client_id, batch_id, mutation_ids)
+            .await
+    }
+
+    async fn record_push(&mut self, r: &PushRecord) -> Result<(), StoreError> {
+        self.write_push_record(r).await
+    }
+
+    async fn begin_writes(&mut self, w: &Writer) -> Result<(), StoreError> {
+        self.start_writes(w).await
+    }
+
+    async fn find_rows(
+        &mut self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> Result<Vec<FoundRow>, StoreError> {
+        self.lock_rows(target, keys).await
+    }
+
+    async fn write_row(
+        &mut self,
+        target: &WriteTarget,
+        key: &str,
+        write: &RowWrite,
+    ) -> Result<WriteResult, StoreError> {
+        self.write(target, key, write).await
+    }
+
+    async fn mark_group(&mut self) -> Result<(), StoreError> {
+        self.open_group().await
+    }
+
+    async fn check_constraints(&mut self) -> Result<Option<Refusal>, StoreError> {
+        self.deferred_check().await
+    }
+
+    async fn undo_group(&mut self) -> Result<(), StoreError> {
+        self.close_group().await
+    }
+
+    async fn end_writes(&mut self) -> Result<(), StoreError> {
+        self.stop_writes().await
+    }
+
     async fn commit(self) -> Result<(), StoreError> {
         self.tx.commit().await.map_err(db_error)
     }
@@ -388,5 +460,76 @@ impl actors::testkit::ConformanceStore for PgStore {
             .execute(&self.pool)
             .await
             .expect("insert dependency row");
+    }
+}
+
+#[cfg(feature = "testkit")]
+/// The capture world of PostgreSQL: application writes are plain SQL.
+pub struct PgWorld {
+    pub store: PgStore,
+}
+
+#[cfg(feature = "testkit")]
+fn literal(v: Option<&str>) -> String {
+    v.map_or("NULL".into(), |s| format!("'{}'", s.replace('\'', "''")))
+}
+
+#[cfg(feature = "testkit")]
+fn condition(key: &[(&str, &str)]) -> String {
+    key.iter()
+        .map(|(c, v)| format!("{c} = {}", literal(Some(v))))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+#[cfg(feature = "testkit")]
+/// The SQL the application would run for `w`.
+fn sql(w: &actors::testkit::Write<'_>) -> String {
+    match *w {
+        actors::testkit::Write::Insert(r, row) => format!(
+            "INSERT INTO {r} ({}) VALUES ({})",
+            row.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(", "),
+            row.iter()
+                .map(|(_, v)| literal(*v))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        actors::testkit::Write::Update(r, key, changes) => format!(
+            "UPDATE {r} SET {} WHERE {}",
+            changes
+                .iter()
+                .map(|(c, v)| format!("{c} = {}", literal(*v)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            condition(key)
+        ),
+        actors::testkit::Write::Delete(r, key) => {
+            format!("DELETE FROM {r} WHERE {}", condition(key))
+        }
+        actors::testkit::Write::Truncate(r) => format!("TRUNCATE {r} CASCADE"),
+    }
+}
+
+#[cfg(feature = "testkit")]
+#[allow(clippy::expect_used, clippy::unwrap_used)] // test support fails loudly
+impl actors::testkit::CaptureWorld for PgWorld {
+    type S = PgStore;
+
+    fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    async fn write(&self, writes: &[actors::testkit::Write<'_>]) -> actors::capture::Lsn {
+        let mut tx = self.store.pool().begin().await.unwrap();
+        for w in writes {
+            sqlx::raw_sql(&sql(w)).execute(&mut *tx).await.unwrap();
+        }
+        // Where this transaction's commit record will start.
+        let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        pgwire_replication::Lsn::parse(&lsn).unwrap().as_u64()
     }
 }

@@ -3,7 +3,7 @@
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use actors::capture::{CaptureProblem, Lsn};
+use actors::capture::CaptureProblem;
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
 use actors::testkit::{
@@ -11,69 +11,7 @@ use actors::testkit::{
 };
 use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
-use store_pg::{PgStore, example_store};
-
-struct Pg {
-    store: PgStore,
-}
-
-fn literal(v: Option<&str>) -> String {
-    v.map_or("NULL".into(), |s| format!("'{}'", s.replace('\'', "''")))
-}
-
-fn condition(key: &[(&str, &str)]) -> String {
-    key.iter()
-        .map(|(c, v)| format!("{c} = {}", literal(Some(v))))
-        .collect::<Vec<_>>()
-        .join(" AND ")
-}
-
-/// The SQL the application would run for `w`.
-fn sql(w: &Write<'_>) -> String {
-    match *w {
-        Write::Insert(r, row) => format!(
-            "INSERT INTO {r} ({}) VALUES ({})",
-            row.iter().map(|(c, _)| *c).collect::<Vec<_>>().join(", "),
-            row.iter()
-                .map(|(_, v)| literal(*v))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        Write::Update(r, key, changes) => format!(
-            "UPDATE {r} SET {} WHERE {}",
-            changes
-                .iter()
-                .map(|(c, v)| format!("{c} = {}", literal(*v)))
-                .collect::<Vec<_>>()
-                .join(", "),
-            condition(key)
-        ),
-        Write::Delete(r, key) => format!("DELETE FROM {r} WHERE {}", condition(key)),
-        Write::Truncate(r) => format!("TRUNCATE {r} CASCADE"),
-    }
-}
-
-impl CaptureWorld for Pg {
-    type S = PgStore;
-
-    fn store(&self) -> &PgStore {
-        &self.store
-    }
-
-    async fn write(&self, writes: &[Write<'_>]) -> Lsn {
-        let mut tx = self.store.pool().begin().await.unwrap();
-        for w in writes {
-            sqlx::raw_sql(&sql(w)).execute(&mut *tx).await.unwrap();
-        }
-        // Where this transaction's commit record will start.
-        let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-        pgwire_replication::Lsn::parse(&lsn).unwrap().as_u64()
-    }
-}
+use store_pg::{PgStore, PgWorld as Pg, example_store};
 
 #[tokio::test]
 async fn capture_on_postgres() {

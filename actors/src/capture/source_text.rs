@@ -57,6 +57,40 @@ pub fn to_wire(ty: PortableType, text: &str) -> Option<Value> {
     })
 }
 
+/// The PostgreSQL text form of a wire value already valid for `ty`: what
+/// PostgreSQL prints for the value it stores, and accepts back as input.
+/// `to_wire(ty, from_wire(ty, v))` is `v`. `None` for JSON null or a value
+/// of another shape.
+pub fn from_wire(ty: PortableType, v: &Value) -> Option<String> {
+    Some(match (ty, v) {
+        (PortableType::Int | PortableType::Float, Value::Number(n)) => n.lexeme().to_owned(),
+        (PortableType::Boolean, Value::Bool(b)) => (if *b { "t" } else { "f" }).to_owned(),
+        (PortableType::Datetime, Value::String(s)) => {
+            let (date, time) = s.strip_suffix('Z')?.split_once('T')?;
+            format!("{date} {}+00", trimmed_time(time))
+        }
+        (PortableType::Time, Value::String(s)) => trimmed_time(s),
+        (PortableType::Bytes, Value::String(s)) => {
+            let bytes = URL_SAFE_NO_PAD.decode(s).ok()?;
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            format!("\\x{hex}")
+        }
+        (_, Value::String(s)) => s.clone(),
+        _ => return None,
+    })
+}
+
+/// `HH:MM:SS.ffffff` as PostgreSQL prints it: trailing fraction zeros dropped.
+fn trimmed_time(time: &str) -> String {
+    match time.split_once('.') {
+        Some((whole, fraction)) => match fraction.trim_end_matches('0') {
+            "" => whole.to_owned(),
+            kept => format!("{whole}.{kept}"),
+        },
+        None => time.to_owned(),
+    }
+}
+
 /// `HH:MM:SS[.f…]` with exactly six fraction digits.
 fn micros(time: &str) -> Option<String> {
     let (whole, fraction) = time.split_once('.').unwrap_or((time, ""));
@@ -150,6 +184,41 @@ mod tests {
         ];
         for (ty, text, want) in cases {
             assert_eq!(wire(*ty, text).as_deref(), *want, "{ty:?} {text}");
+            // Every accepted form prints back to itself through the wire value,
+            // except the ones PostgreSQL itself normalizes.
+            if let Some(v) = to_wire(*ty, text) {
+                let back = from_wire(*ty, &v).unwrap();
+                assert_eq!(to_wire(*ty, &back), Some(v), "{ty:?} {text}");
+            }
         }
+    }
+
+    #[test]
+    fn wire_values_print_as_postgres_does() {
+        use PortableType::*;
+        let cases: &[(PortableType, &str, &str)] = &[
+            (
+                Datetime,
+                "\"2026-07-18T14:00:01.000000Z\"",
+                "2026-07-18 14:00:01+00",
+            ),
+            (
+                Datetime,
+                "\"2026-07-18T14:00:01.500000Z\"",
+                "2026-07-18 14:00:01.5+00",
+            ),
+            (Time, "\"14:00:01.123450\"", "14:00:01.12345"),
+            (Boolean, "true", "t"),
+            (Int, "-7", "-7"),
+            (Int64, "\"-9223372036854775808\"", "-9223372036854775808"),
+            (Bytes, "\"AP8Q\"", "\\x00ff10"),
+            (Float, "1e+100", "1e+100"),
+        ];
+        for (ty, wire, text) in cases {
+            let v = json::parse(wire.as_bytes()).unwrap();
+            assert_eq!(from_wire(*ty, &v).as_deref(), Some(*text), "{ty:?}");
+            assert_eq!(to_wire(*ty, text), Some(v), "{ty:?}");
+        }
+        assert_eq!(from_wire(String, &Value::Null), None);
     }
 }

@@ -23,7 +23,7 @@ use tokio::time::{Instant, sleep};
 use crate::capture::{CaptureProblem, ChangeFeed, Lsn, Quarantine};
 use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
-pub(crate) use model::Model;
+pub(crate) use model::{Model, Table};
 
 /// Default bound of source transactions per database transaction.
 pub const GROUP_TRANSACTIONS: usize = 500;

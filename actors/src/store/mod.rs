@@ -10,7 +10,7 @@ use std::future::Future;
 
 pub use mem::{MemFeed, MemStore, MemTx, SourceError};
 use protocol::digest::RowIdentity;
-use protocol::ids::ScopeId;
+use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
 
@@ -19,6 +19,9 @@ use crate::capture::{
     Materialization, Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
+use crate::ledger::contract::{
+    FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
+};
 
 /// A store operation failed. Both kinds roll the transaction back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,6 +59,8 @@ pub struct ClientRecord {
     pub scope_set_version: u64,
     /// The authoritative assignment at `scope_set_version`.
     pub assigned: BTreeSet<ScopeId>,
+    /// Steps by one with every push that applied a write.
+    pub accepted_write_epoch: u64,
 }
 
 /// A database handle that opens transactions.
@@ -84,6 +89,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Opens the change feed at the last acknowledged point, or `None` while
     /// another process leads capture.
     fn change_feed(&self) -> impl Future<Output = Result<Option<Self::Feed>, StoreError>> + Send;
+
+    /// Prepares (idempotently) what push writes need: the writer role and
+    /// its privileges on these tables.
+    fn install_push(
+        &self,
+        targets: &[WriteTarget],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// One transaction. Dropping it without `commit` rolls it back.
@@ -167,6 +179,56 @@ pub trait StoreTx: Send {
         after: StreamPosition,
         through: Boundary,
     ) -> impl Future<Output = Result<Vec<Effect>, StoreError>> + Send;
+
+    /// The ledger entries of (user, client) for this batch and these mutations.
+    fn push_ledger(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        batch_id: CanonicalUuid,
+        mutation_ids: &[CanonicalUuid],
+    ) -> impl Future<Output = Result<LedgerEntries, StoreError>> + Send;
+
+    /// Adds a completed batch and its newly completed mutations; an identity
+    /// that is already stored is an integrity failure.
+    fn record_push(
+        &mut self,
+        r: &PushRecord,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// From here on, source writes run as `writer`: its row security applies
+    /// and its writes leave fences pending for its client.
+    fn begin_writes(&mut self, w: &Writer) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Reads these rows of a table as the writer, locking the visible ones.
+    fn find_rows(
+        &mut self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> impl Future<Output = Result<Vec<FoundRow>, StoreError>> + Send;
+
+    /// One source write to the row with primary key `key` (text form).
+    fn write_row(
+        &mut self,
+        target: &WriteTarget,
+        key: &str,
+        write: &RowWrite,
+    ) -> impl Future<Output = Result<WriteResult, StoreError>> + Send;
+
+    /// Marks the start of an atomic group of writes.
+    fn mark_group(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Checks the deferred constraints now; `Some` when one fails, and then
+    /// the group must be undone.
+    fn check_constraints(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<Refusal>, StoreError>> + Send;
+
+    /// Undoes every write since `mark_group`.
+    fn undo_group(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Source writes run as the store's own role again.
+    fn end_writes(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Makes every write of the transaction durable.
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;

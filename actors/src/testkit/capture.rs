@@ -44,6 +44,54 @@ pub trait CaptureWorld {
     async fn write(&self, writes: &[Write<'_>]) -> Lsn;
 }
 
+/// The capture world of MemStore: application writes straight into its source relations.
+pub struct MemWorld {
+    pub store: crate::store::MemStore,
+}
+
+fn image(columns: &[(&str, Option<&str>)]) -> crate::capture::SourceImage {
+    columns
+        .iter()
+        .map(|(c, v)| ((*c).to_owned(), v.map(str::to_owned)))
+        .collect()
+}
+
+fn key_image(columns: &[(&str, &str)]) -> crate::capture::SourceImage {
+    columns
+        .iter()
+        .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
+        .collect()
+}
+
+impl CaptureWorld for MemWorld {
+    type S = crate::store::MemStore;
+
+    fn store(&self) -> &crate::store::MemStore {
+        &self.store
+    }
+
+    async fn write(&self, writes: &[Write<'_>]) -> Lsn {
+        let before = self.store.last_commit_lsn().await;
+        let mut tx = self.store.begin().await.unwrap();
+        for w in writes {
+            match *w {
+                Write::Insert(r, row) => {
+                    tx.source_insert(r, image(row)).unwrap();
+                }
+                Write::Update(r, k, changes) => {
+                    tx.source_update(r, &key_image(k), image(changes)).unwrap();
+                }
+                Write::Delete(r, k) => {
+                    tx.source_delete(r, &key_image(k)).unwrap();
+                }
+                Write::Truncate(r) => tx.source_truncate(r).unwrap(),
+            }
+        }
+        tx.commit().await.unwrap();
+        before + 1
+    }
+}
+
 const N1: &str = "00000000-0000-4000-8000-000000000001";
 const N2: &str = "00000000-0000-4000-8000-000000000002";
 const N3: &str = "00000000-0000-4000-8000-000000000003";

@@ -10,9 +10,14 @@ use protocol::manifest::Manifest;
 use crate::config::SyncConfig;
 
 mod capture;
+mod push;
 pub use capture::{
-    CaptureWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
+    CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
     truncate_blocks,
+};
+pub use push::{
+    NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
+    note_mutation, outcome, push_config, push_suite, version_of,
 };
 
 /// The example config (`examples/notes/config.toml`).
@@ -704,6 +709,7 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
             .iter()
             .map(|s| ScopeId::parse(s).unwrap())
             .collect(),
+        accepted_write_epoch: 7,
     };
     let mut tx = store.begin().await.unwrap();
     tx.put_client(&client).await.unwrap();
@@ -721,6 +727,7 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
         installed_schema: None,
         scope_set_version: 2,
         assigned: BTreeSet::new(),
+        accepted_write_epoch: 8,
         ..client.clone()
     };
     tx.put_client(&changed).await.unwrap();

@@ -90,7 +90,11 @@ pub struct Mutation {
 impl PushRequest {
     /// Parses a push body, enforcing every limit before any ledger work.
     pub fn parse(body: &[u8]) -> Result<PushRequest, ProtocolError> {
-        let v = parse_body(body)?;
+        PushRequest::from_value(parse_body(body)?)
+    }
+
+    /// Validates an already parsed body (see [`PushRequest::parse`]).
+    pub fn from_value(v: Value) -> Result<PushRequest, ProtocolError> {
         if json::to_canonical(&v).len() > MAX_CANONICAL_PUSH_OCTETS {
             return Err(ProtocolError::invalid_request(
                 "canonical request form exceeds 1048576 octets",
@@ -504,12 +508,80 @@ impl Outcome {
     }
 }
 
+/// One outcome as a response holds it: evaluated now, or stored by the
+/// ledger when the mutation completed in an earlier batch (its object is
+/// then returned byte for byte, historical `outcome_schema` included).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutcomeEntry {
+    mutation_id: CanonicalUuid,
+    accepted: bool,
+    code: Option<String>,
+    object: Value,
+}
+
+impl OutcomeEntry {
+    /// Reads back an outcome object that [`Outcome::to_json`] produced.
+    pub fn from_stored(object: Value) -> Option<OutcomeEntry> {
+        let o = object.as_object()?;
+        let mutation_id = CanonicalUuid::parse(o.get("mutation_id")?.as_str()?)?;
+        let accepted = match o.get("status")?.as_str()? {
+            "applied" => true,
+            "conflict" | "rejected_terminal" => false,
+            _ => return None,
+        };
+        let code = match o.get("code") {
+            None => None,
+            Some(c) => Some(c.as_str()?.to_owned()),
+        };
+        if accepted == code.is_some() {
+            return None;
+        }
+        Some(OutcomeEntry {
+            mutation_id,
+            accepted,
+            code,
+            object,
+        })
+    }
+
+    /// The mutation this outcome answers.
+    pub fn mutation_id(&self) -> CanonicalUuid {
+        self.mutation_id
+    }
+
+    /// Whether it belongs in `accepted`.
+    pub fn is_accepted(&self) -> bool {
+        self.accepted
+    }
+
+    /// The wire code, absent for `applied`.
+    pub fn code(&self) -> Option<&str> {
+        self.code.as_deref()
+    }
+
+    /// The outcome object.
+    pub fn object(&self) -> &Value {
+        &self.object
+    }
+}
+
+impl From<&Outcome> for OutcomeEntry {
+    fn from(o: &Outcome) -> OutcomeEntry {
+        OutcomeEntry {
+            mutation_id: o.head().mutation_id,
+            accepted: o.is_accepted(),
+            code: o.code().map(str::to_owned),
+            object: o.to_json(),
+        }
+    }
+}
+
 /// A complete push response: every mutation exactly once, request order kept per array.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PushResponse {
     batch_id: CanonicalUuid,
     server_time: String,
-    outcomes: Vec<Outcome>,
+    outcomes: Vec<OutcomeEntry>,
 }
 
 /// Why a list of outcomes cannot form the response of a request.
@@ -530,11 +602,21 @@ impl PushResponse {
         server_time: String,
         outcomes: Vec<Outcome>,
     ) -> Result<PushResponse, PartitionError> {
+        let entries = outcomes.iter().map(OutcomeEntry::from).collect();
+        PushResponse::from_entries(request, server_time, entries)
+    }
+
+    /// Builds the response from fresh and stored outcomes, one per mutation, in request order.
+    pub fn from_entries(
+        request: &PushRequest,
+        server_time: String,
+        outcomes: Vec<OutcomeEntry>,
+    ) -> Result<PushResponse, PartitionError> {
         let one_to_one = outcomes.len() == request.mutations.len()
             && outcomes
                 .iter()
                 .zip(&request.mutations)
-                .all(|(o, m)| o.head().mutation_id == m.mutation_id);
+                .all(|(o, m)| o.mutation_id == m.mutation_id);
         if !one_to_one {
             return Err(PartitionError::NotOneToOne);
         }
@@ -543,8 +625,8 @@ impl PushResponse {
             .filter(|o| o.code() == Some("atomic_batch_rejected"))
             .count();
         if request.atomic {
-            let all_applied = outcomes.iter().all(Outcome::is_accepted);
-            let none_applied = !outcomes.iter().any(Outcome::is_accepted);
+            let all_applied = outcomes.iter().all(OutcomeEntry::is_accepted);
+            let none_applied = !outcomes.iter().any(OutcomeEntry::is_accepted);
             if !(all_applied || (none_applied && atomic_rejects + 1 == outcomes.len())) {
                 return Err(PartitionError::NotAnAtomicForm);
             }
@@ -559,7 +641,7 @@ impl PushResponse {
     }
 
     /// The outcomes in request order.
-    pub fn outcomes(&self) -> &[Outcome] {
+    pub fn outcomes(&self) -> &[OutcomeEntry] {
         &self.outcomes
     }
 
@@ -567,17 +649,13 @@ impl PushResponse {
     pub fn to_json(&self) -> Value {
         let (accepted, rejected): (Vec<_>, Vec<_>) =
             self.outcomes.iter().partition(|o| o.is_accepted());
+        let objects =
+            |v: Vec<&OutcomeEntry>| Value::Array(v.into_iter().map(|o| o.object.clone()).collect());
         json::object([
             ("batch_id", Value::string(self.batch_id.to_string())),
             ("server_time", Value::string(&self.server_time)),
-            (
-                "accepted",
-                Value::Array(accepted.into_iter().map(Outcome::to_json).collect()),
-            ),
-            (
-                "rejected",
-                Value::Array(rejected.into_iter().map(Outcome::to_json).collect()),
-            ),
+            ("accepted", objects(accepted)),
+            ("rejected", objects(rejected)),
         ])
     }
 

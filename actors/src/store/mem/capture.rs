@@ -77,6 +77,10 @@ pub(super) struct CaptureState {
     /// Every materialized source transaction, by commit LSN.
     materialized: BTreeMap<Lsn, MaterializedTransaction>,
     pub fences_done: BTreeSet<u64>,
+    /// Fences of writes accepted from a client, until materialized: fence -> client.
+    pub pending_fences: BTreeMap<u64, String>,
+    /// The client whose push is writing (`synchro.client_id`), within one transaction.
+    pub writer: Option<String>,
     /// Transactions delivered by feeds, redeliveries included.
     pub deliveries: u64,
 }
@@ -103,6 +107,8 @@ impl CaptureState {
             effects: BTreeMap::new(),
             materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
+            pending_fences: BTreeMap::new(),
+            writer: None,
             deliveries: 0,
         }
     }
@@ -180,6 +186,9 @@ impl CaptureState {
         let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         let fence = self.next_fence;
         self.next_fence += 1;
+        if let Some(client) = &self.writer {
+            self.pending_fences.insert(fence, client.clone());
+        }
         self.versions.insert(
             (table.table_id.clone(), key.clone()),
             RowVersion {
@@ -335,6 +344,11 @@ impl MemTx {
         self.work.capture.next_lsn
     }
 
+    /// The key columns of a relation.
+    pub(super) fn relation_key(&self, relation: &str) -> Option<&[String]> {
+        Some(&self.work.capture.relations.get(relation)?.key)
+    }
+
     /// The current source row with `key`, if any.
     pub fn source_row(&self, relation: &str, key: &SourceImage) -> Option<SourceImage> {
         let rel = self.work.capture.relations.get(relation)?;
@@ -436,6 +450,9 @@ impl MemTx {
             }
         }
         c.fences_done.extend(m.fences.iter().copied());
+        for f in &m.fences {
+            c.pending_fences.remove(f);
+        }
         c.progress = CaptureProgress {
             boundary: Boundary::TransactionEnd {
                 commit_lsn: m.commit_lsn,

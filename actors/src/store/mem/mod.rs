@@ -3,13 +3,14 @@
 //! transactions are serial) and works on a copy that commit installs.
 
 mod capture;
+mod push;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use protocol::digest::RowIdentity;
-use protocol::ids::ScopeId;
+use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
@@ -20,6 +21,9 @@ use crate::capture::{
     Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
+use crate::ledger::contract::{
+    FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
+};
 pub use capture::{MemFeed, SourceError};
 
 /// Everything the store holds.
@@ -31,6 +35,7 @@ struct State {
     /// (relation, user_column, value_column) -> rows of (user, value).
     dependencies: BTreeMap<(String, String, String), Vec<(String, String)>>,
     capture: capture::CaptureState,
+    ledger: push::Ledger,
 }
 
 /// An in-memory database.
@@ -64,6 +69,7 @@ impl MemStore {
                 grants: BTreeSet::new(),
                 dependencies: BTreeMap::new(),
                 capture: capture::CaptureState::new(seed),
+                ledger: push::Ledger::default(),
             })),
             log_len: Arc::new(watch::channel(0).0),
             leader: Arc::new(AtomicBool::new(false)),
@@ -135,6 +141,17 @@ impl MemStore {
         }
     }
 
+    /// The fences of writes accepted from `client_id` that are not yet materialized.
+    pub async fn pending_fences(&self, client_id: &str) -> Vec<u64> {
+        let state = self.state.lock().await;
+        let pending = &state.capture.pending_fences;
+        pending
+            .iter()
+            .filter(|(_, c)| c.as_str() == client_id)
+            .map(|(f, _)| *f)
+            .collect()
+    }
+
     /// Retires a client identity (an operator action).
     pub async fn retire_client(&self, client_id: &str) {
         if let Some(c) = self.state.lock().await.clients.get_mut(client_id) {
@@ -148,6 +165,8 @@ pub struct MemTx {
     guard: OwnedMutexGuard<State>,
     work: State,
     log_len: Arc<watch::Sender<usize>>,
+    /// The state when an atomic group of writes began.
+    group: Option<Box<State>>,
 }
 
 impl Store for MemStore {
@@ -161,6 +180,7 @@ impl Store for MemStore {
             guard,
             work,
             log_len: self.log_len.clone(),
+            group: None,
         })
     }
 
@@ -183,6 +203,11 @@ impl Store for MemStore {
             return Ok(None);
         }
         Ok(Some(MemFeed::open(self.clone(), self.leader.clone()).await))
+    }
+
+    async fn install_push(&self, _targets: &[WriteTarget]) -> Result<(), StoreError> {
+        // MemStore's writer is the store itself: nothing to grant.
+        Ok(())
     }
 }
 
@@ -298,12 +323,79 @@ impl StoreTx for MemTx {
         Ok(MemTx::scope_effects(self, scope, after, through))
     }
 
+    async fn push_ledger(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        batch_id: CanonicalUuid,
+        mutation_ids: &[CanonicalUuid],
+    ) -> Result<LedgerEntries, StoreError> {
+        Ok(MemTx::push_ledger(
+            self,
+            user_id,
+            client_id,
+            batch_id,
+            mutation_ids,
+        ))
+    }
+
+    async fn record_push(&mut self, r: &PushRecord) -> Result<(), StoreError> {
+        MemTx::record_push(self, r)
+    }
+
+    async fn begin_writes(&mut self, w: &Writer) -> Result<(), StoreError> {
+        MemTx::begin_writes(self, w);
+        Ok(())
+    }
+
+    async fn find_rows(
+        &mut self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> Result<Vec<FoundRow>, StoreError> {
+        Ok(MemTx::find_rows(self, target, keys))
+    }
+
+    async fn write_row(
+        &mut self,
+        target: &WriteTarget,
+        key: &str,
+        write: &RowWrite,
+    ) -> Result<WriteResult, StoreError> {
+        MemTx::write_row(self, target, key, write)
+    }
+
+    async fn mark_group(&mut self) -> Result<(), StoreError> {
+        self.group = Some(Box::new(self.work.clone()));
+        Ok(())
+    }
+
+    async fn check_constraints(&mut self) -> Result<Option<Refusal>, StoreError> {
+        Ok(None) // no deferred constraints: every write was checked as it happened
+    }
+
+    async fn undo_group(&mut self) -> Result<(), StoreError> {
+        let group = self
+            .group
+            .take()
+            .ok_or(StoreError::Integrity("no group to undo".into()))?;
+        self.work = *group;
+        Ok(())
+    }
+
+    async fn end_writes(&mut self) -> Result<(), StoreError> {
+        MemTx::end_writes(self);
+        Ok(())
+    }
+
     async fn commit(mut self) -> Result<(), StoreError> {
+        self.work.capture.writer = None;
         let log_len = self.work.capture.commit_source();
         let MemTx {
             mut guard,
             work,
             log_len: sender,
+            ..
         } = self;
         *guard = work;
         if let Some(n) = log_len {

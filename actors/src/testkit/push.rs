@@ -1,0 +1,980 @@
+//! The push suite: every outcome of the wire spec's push section through the
+//! real engine, on any store. MemStore and PgStore both pass it unchanged;
+//! what only PostgreSQL has (row security, deferrable constraints, real
+//! concurrency) is tested in `store-pg`.
+
+use protocol::digest::{Digest, RowIdentity, row_digest};
+use protocol::ids::ServerVersion;
+use protocol::json::{self, Object, Value};
+use protocol::manifest::Manifest;
+
+use super::capture::{CaptureWorld, Write};
+use super::{ConnectBody, example_config};
+use crate::Engine;
+use crate::config::SyncConfig;
+use crate::store::{Store, StoreTx};
+
+/// 2026-07-18T14:00:01Z, the spec example's server time.
+pub const NOW: i64 = 1_784_383_201_000_000;
+/// The server time of a push at [`NOW`].
+pub const NOW_TEXT: &str = "2026-07-18T14:00:01.000000Z";
+
+/// The example config with writable template fields (a table without
+/// `deleted_at`, so deletes are hard) and short capture limits.
+pub fn push_config() -> SyncConfig {
+    let mut config = example_config(|s| {
+        s.replace(
+            r#"{ field_id = "fld_templates_name", column = "name", type = "string" }"#,
+            r#"{ field_id = "fld_templates_name", column = "name", type = "string", writable = true }"#,
+        )
+        .replace(
+            r#"{ field_id = "fld_templates_body", column = "body", type = "string" }"#,
+            r#"{ field_id = "fld_templates_body", column = "body", type = "string", writable = true }"#,
+        )
+    });
+    config.capture.heartbeat_ms = 20;
+    config.capture.retry_ms = 20;
+    config
+}
+
+/// A connected client that pushes through an engine.
+#[derive(Clone)]
+pub struct PushClient {
+    pub engine: Engine,
+    pub user: String,
+    pub client_id: String,
+    pub generation: u64,
+    /// The current schema reference, as JSON.
+    pub schema: Value,
+}
+
+impl PushClient {
+    /// Connects a fresh client of `user`.
+    pub async fn connect(engine: &Engine, user: &str, client_id: &str) -> PushClient {
+        let r = engine
+            .connect(
+                user,
+                json::to_canonical(&ConnectBody::fresh(client_id).to_json()),
+                NOW,
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = json::parse(&r.body).unwrap();
+        let o = v.as_object().unwrap();
+        let s = o["schema"].as_object().unwrap();
+        PushClient {
+            engine: engine.clone(),
+            user: user.into(),
+            client_id: client_id.into(),
+            generation: super::int(&o["client_generation"]),
+            schema: json::object([
+                ("version", s["version"].clone()),
+                ("hash", s["hash"].clone()),
+            ]),
+        }
+    }
+
+    /// A batch body of these mutations.
+    pub fn batch(&self, batch: u64, mutations: Vec<Value>, atomic: bool) -> Value {
+        let mut o = Object::new();
+        o.insert("client_id".into(), Value::string(&self.client_id));
+        o.insert(
+            "client_generation".into(),
+            Value::int(self.generation as i64),
+        );
+        o.insert("batch_id".into(), Value::string(batch_id(batch)));
+        o.insert("schema".into(), self.schema.clone());
+        o.insert("mutations".into(), Value::Array(mutations));
+        if atomic {
+            o.insert("atomic".into(), Value::Bool(true));
+        }
+        Value::Object(o)
+    }
+
+    /// Pushes `body`: status, parsed body, raw bytes.
+    pub async fn push(&self, body: &Value) -> (u16, Value, Vec<u8>) {
+        self.push_as(&self.user, body).await
+    }
+
+    /// Pushes `body` authenticated as `user`.
+    pub async fn push_as(&self, user: &str, body: &Value) -> (u16, Value, Vec<u8>) {
+        let r = self.engine.push(user, json::to_canonical(body), NOW).await;
+        let v = json::parse(&r.body).unwrap();
+        (r.status, v, r.body)
+    }
+}
+
+/// A canonical batch UUID.
+pub fn batch_id(n: u64) -> String {
+    format!("10000000-0000-4000-8000-{n:012x}")
+}
+
+/// A canonical mutation UUID.
+pub fn mutation_id(n: u64) -> String {
+    format!("20000000-0000-4000-8000-{n:012x}")
+}
+
+/// A canonical note ID.
+pub fn note_id(n: u64) -> String {
+    format!("30000000-0000-4000-8000-{n:012x}")
+}
+
+/// One mutation object.
+pub fn mutation(
+    n: u64,
+    table: &str,
+    pk: (&str, &str),
+    schema: &Value,
+    op: &str,
+    base: Option<&str>,
+    columns: Option<Value>,
+) -> Value {
+    let mut o = Object::new();
+    o.insert("mutation_id".into(), Value::string(mutation_id(n)));
+    o.insert("table".into(), Value::string(table));
+    o.insert("pk".into(), json::object([(pk.0, Value::string(pk.1))]));
+    o.insert("authored_schema".into(), schema.clone());
+    o.insert("op".into(), Value::string(op));
+    o.insert(
+        "client_version".into(),
+        Value::string("2026-07-18T13:59:01.000000Z"),
+    );
+    if let Some(b) = base {
+        o.insert("base_version".into(), Value::string(b));
+    }
+    if let Some(c) = columns {
+        o.insert("columns".into(), c);
+    }
+    Value::Object(o)
+}
+
+/// A note mutation.
+pub fn note_mutation(
+    n: u64,
+    note: &str,
+    schema: &Value,
+    op: &str,
+    base: Option<&str>,
+    columns: Option<Value>,
+) -> Value {
+    mutation(
+        n,
+        "tbl_notes",
+        ("fld_notes_id", note),
+        schema,
+        op,
+        base,
+        columns,
+    )
+}
+
+/// Columns of a note: a title and `pinned`.
+pub fn note_columns(title: &str) -> Value {
+    json::object([
+        ("fld_notes_title", Value::string(title)),
+        ("fld_notes_pinned", Value::Bool(false)),
+    ])
+}
+
+fn members(v: &Value) -> &Object {
+    v.as_object().unwrap()
+}
+
+/// The outcome of mutation `n` and whether it is in `accepted`.
+pub fn outcome(response: &Value, n: u64) -> (bool, Value) {
+    let id = mutation_id(n);
+    for (array, accepted) in [("accepted", true), ("rejected", false)] {
+        let Value::Array(a) = &members(response)[array] else {
+            panic!("no {array}");
+        };
+        if let Some(o) = a
+            .iter()
+            .find(|o| members(o)["mutation_id"].as_str() == Some(&id))
+        {
+            return (accepted, o.clone());
+        }
+    }
+    panic!("no outcome for mutation {n}");
+}
+
+/// `status` and `code` of an outcome.
+fn status(o: &Value) -> (String, Option<String>) {
+    let m = members(o);
+    (
+        m["status"].as_str().unwrap().to_owned(),
+        m.get("code").map(|c| c.as_str().unwrap().to_owned()),
+    )
+}
+
+/// The sorted member names of an outcome.
+fn keys(o: &Value) -> Vec<String> {
+    members(o).keys().cloned().collect()
+}
+
+/// The server version of an outcome.
+pub fn version_of(o: &Value) -> String {
+    members(o)["server_version"].as_str().unwrap().to_owned()
+}
+
+/// Checks that an outcome's row and checksum agree under `manifest`.
+fn verify_row(manifest: &Manifest, o: &Value) {
+    let m = members(o);
+    let table = manifest.table(m["table"].as_str().unwrap()).unwrap();
+    let row = table.decode_row(members(&m["server_row"])).unwrap();
+    let key = table.row_key(&row).unwrap();
+    let identity = RowIdentity::of(table, key);
+    let version = ServerVersion::parse(m["server_version"].as_str().unwrap()).unwrap();
+    let digest = row_digest(&manifest.hash(), table, &identity, &row, &version);
+    let presented = Digest::from_checksum_json(&m["row_checksum"]).unwrap();
+    assert_eq!(digest, presented, "the row checksum recomputes");
+    // The outcome's pk is the row's.
+    let pk = members(&m["pk"]);
+    for (field, v) in pk {
+        assert_eq!(&members(&m["server_row"])[field], v);
+    }
+}
+
+fn error_code(v: &Value) -> String {
+    members(&members(v)["error"])["code"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+async fn current_manifest<S: Store>(store: &S) -> Manifest {
+    let mut tx = store.begin().await.unwrap();
+    tx.manifests().await.unwrap().pop().unwrap()
+}
+
+fn field<'o>(o: &'o Value, f: &str) -> &'o Value {
+    &members(&members(o)["server_row"])[f]
+}
+
+/// Every push rule that holds on every store.
+pub async fn push_suite<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    let manifest = current_manifest(&store).await;
+    let c = PushClient::connect(&engine, "u1", "c1").await;
+    let s = &c.schema;
+    let n1 = note_id(1);
+
+    // Insert: applied, with the server's owner and lifecycle values and a checksum.
+    let body = c.batch(
+        1,
+        vec![note_mutation(
+            1,
+            &n1,
+            s,
+            "insert",
+            None,
+            Some(note_columns("a")),
+        )],
+        false,
+    );
+    let (st, r, bytes) = c.push(&body).await;
+    assert_eq!(st, 200, "{r:?}");
+    assert_eq!(members(&r)["server_time"].as_str(), Some(NOW_TEXT));
+    assert_eq!(members(&r)["batch_id"].as_str(), Some(batch_id(1).as_str()));
+    let (accepted, o) = outcome(&r, 1);
+    assert!(accepted);
+    assert_eq!(
+        keys(&o),
+        [
+            "mutation_id",
+            "outcome_schema",
+            "pk",
+            "row_checksum",
+            "server_row",
+            "server_version",
+            "status",
+            "table"
+        ]
+    );
+    assert_eq!(status(&o), ("applied".into(), None));
+    assert_eq!(members(&o)["outcome_schema"], *s);
+    verify_row(&manifest, &o);
+    assert_eq!(field(&o, "fld_notes_owner").as_str(), Some("u1"));
+    assert_eq!(field(&o, "fld_notes_updated_at").as_str(), Some(NOW_TEXT));
+    assert_eq!(field(&o, "fld_notes_deleted_at"), &Value::Null);
+    let v1 = version_of(&o);
+    // The response is canonical JSON.
+    assert_eq!(json::to_canonical(&r), bytes);
+
+    // Exact replay: same status and bytes, no second execution.
+    let (st2, _, bytes2) = c.push(&body).await;
+    assert_eq!((st2, &bytes2), (200, &bytes));
+    // The same batch ID with other content: 409.
+    let other = c.batch(
+        1,
+        vec![note_mutation(
+            1,
+            &n1,
+            s,
+            "insert",
+            None,
+            Some(note_columns("b")),
+        )],
+        false,
+    );
+    let (st, r, _) = c.push(&other).await;
+    assert_eq!((st, error_code(&r).as_str()), (409, "idempotency_conflict"));
+
+    // The conflict matrix on a live row.
+    let cells = vec![
+        note_mutation(2, &n1, s, "insert", None, Some(note_columns("x"))),
+        note_mutation(3, &n1, s, "update", Some("stale"), Some(note_columns("x"))),
+        note_mutation(4, &n1, s, "delete", Some("stale"), None),
+        note_mutation(
+            5,
+            &note_id(99),
+            s,
+            "update",
+            Some(&v1),
+            Some(note_columns("x")),
+        ),
+        note_mutation(6, &note_id(99), s, "delete", Some(&v1), None),
+        note_mutation(7, &n1, s, "update", Some(&v1), Some(note_columns("b"))),
+    ];
+    let (st, r, _) = c.push(&c.batch(2, cells, false)).await;
+    assert_eq!(st, 200);
+    for (n, code) in [
+        (2, "row_already_exists"),
+        (3, "version_conflict"),
+        (4, "version_conflict"),
+    ] {
+        let (accepted, o) = outcome(&r, n);
+        assert!(!accepted);
+        assert_eq!(
+            status(&o),
+            ("conflict".into(), Some(code.into())),
+            "mutation {n}"
+        );
+        assert_eq!(version_of(&o), v1, "the current version before mutation 7");
+        assert_eq!(
+            keys(&o),
+            [
+                "code",
+                "message",
+                "mutation_id",
+                "outcome_schema",
+                "pk",
+                "row_checksum",
+                "server_row",
+                "server_version",
+                "status",
+                "table"
+            ]
+        );
+        verify_row(&manifest, &o);
+    }
+    for n in [5, 6] {
+        let (_, o) = outcome(&r, n);
+        assert_eq!(
+            status(&o),
+            ("conflict".into(), Some("row_not_found".into()))
+        );
+        assert_eq!(
+            keys(&o),
+            [
+                "code",
+                "message",
+                "mutation_id",
+                "outcome_schema",
+                "pk",
+                "status",
+                "table"
+            ]
+        );
+    }
+    let (accepted, o) = outcome(&r, 7);
+    assert!(accepted);
+    let v2 = version_of(&o);
+    assert_ne!(v1, v2, "a write allocates a new version");
+    assert_eq!(field(&o, "fld_notes_title").as_str(), Some("b"));
+    // The rejected array keeps request order.
+    let Value::Array(rejected) = &members(&r)["rejected"] else {
+        panic!()
+    };
+    let order: Vec<&str> = rejected
+        .iter()
+        .map(|o| members(o)["mutation_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        order,
+        [2, 3, 4, 5, 6]
+            .map(mutation_id)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+    );
+
+    // Soft delete: the tombstone comes back; every operation on it is row_deleted.
+    let (_, r, _) = c
+        .push(&c.batch(
+            3,
+            vec![note_mutation(8, &n1, s, "delete", Some(&v2), None)],
+            false,
+        ))
+        .await;
+    let (accepted, o) = outcome(&r, 8);
+    assert!(accepted);
+    assert_eq!(field(&o, "fld_notes_deleted_at").as_str(), Some(NOW_TEXT));
+    verify_row(&manifest, &o);
+    let v3 = version_of(&o);
+    let on_tombstone = vec![
+        note_mutation(9, &n1, s, "insert", None, Some(note_columns("x"))),
+        note_mutation(10, &n1, s, "update", Some(&v3), Some(note_columns("x"))),
+        note_mutation(11, &n1, s, "delete", Some(&v3), None),
+    ];
+    let (_, r, _) = c.push(&c.batch(4, on_tombstone, false)).await;
+    for n in [9, 10, 11] {
+        let (_, o) = outcome(&r, n);
+        assert_eq!(status(&o), ("conflict".into(), Some("row_deleted".into())));
+        assert_eq!(version_of(&o), v3);
+        verify_row(&manifest, &o);
+    }
+
+    // Hard delete (no deleted_at): a fence-only state with a version and no row.
+    let tpl = |n, op: &str, base: Option<&str>, cols: Option<Value>| {
+        mutation(
+            n,
+            "tbl_templates",
+            ("fld_templates_id", "tpl-9"),
+            s,
+            op,
+            base,
+            cols,
+        )
+    };
+    let tpl_cols = || {
+        json::object([
+            ("fld_templates_name", Value::string("N")),
+            ("fld_templates_body", Value::string("B")),
+        ])
+    };
+    let (_, r, _) = c
+        .push(&c.batch(5, vec![tpl(12, "insert", None, Some(tpl_cols()))], false))
+        .await;
+    let tv1 = version_of(&outcome(&r, 12).1);
+    let (_, r, _) = c
+        .push(&c.batch(6, vec![tpl(13, "delete", Some(&tv1), None)], false))
+        .await;
+    let (accepted, o) = outcome(&r, 13);
+    assert!(accepted);
+    assert_eq!(
+        keys(&o),
+        [
+            "mutation_id",
+            "outcome_schema",
+            "pk",
+            "server_version",
+            "status",
+            "table"
+        ]
+    );
+    let tv2 = version_of(&o);
+    let on_fence = vec![
+        tpl(14, "insert", None, Some(tpl_cols())),
+        tpl(15, "update", Some(&tv2), Some(tpl_cols())),
+        tpl(16, "delete", Some(&tv2), None),
+    ];
+    let (_, r, _) = c.push(&c.batch(7, on_fence, false)).await;
+    for n in [14, 15, 16] {
+        let (_, o) = outcome(&r, n);
+        assert_eq!(status(&o), ("conflict".into(), Some("row_deleted".into())));
+        assert_eq!(
+            keys(&o),
+            [
+                "code",
+                "message",
+                "mutation_id",
+                "outcome_schema",
+                "pk",
+                "server_version",
+                "status",
+                "table"
+            ]
+        );
+        assert_eq!(version_of(&o), tv2);
+    }
+
+    terminal_codes(world, &c, &manifest).await;
+    request_errors(&c).await;
+    reuse_and_atomic(&c).await;
+    replay_after_changes(world, &c, body, bytes).await;
+}
+
+/// Each terminal code, and their precedence.
+async fn terminal_codes<W: CaptureWorld>(world: &W, c: &PushClient, manifest: &Manifest) {
+    let s = &c.schema;
+    let other = note_id(50);
+    // A row of another user: the declarative rule hides it from u1.
+    world
+        .write(&[Write::Insert(
+            "public.notes",
+            &[
+                ("id", Some(&other)),
+                ("owner_id", Some("u2")),
+                ("title", Some("theirs")),
+                ("body", None),
+                ("pinned", Some("f")),
+                ("updated_at", Some("2026-07-18 13:00:00+00")),
+                ("deleted_at", None),
+            ],
+        )])
+        .await;
+    let legacy_schema = json::object([
+        ("version", Value::int(5)),
+        ("hash", Value::string("deadbeef".repeat(8))),
+    ]);
+    let col = |f: &str, v: Value| {
+        let mut o = note_columns("t");
+        if let Value::Object(m) = &mut o {
+            m.insert(f.into(), v);
+        }
+        o
+    };
+    let n = |i: u64| note_id(60 + i);
+    let mutations = vec![
+        // 20: a field the current schema cannot represent (authored under an unknown schema).
+        mutation(
+            20,
+            "tbl_notes",
+            ("fld_notes_id", &n(0)),
+            &legacy_schema,
+            "insert",
+            None,
+            Some(col("fld_notes_legacy_summary", Value::string("keep"))),
+        ),
+        // 21: schema_incompatible outranks policy_rejected (another owner authored).
+        mutation(
+            21,
+            "tbl_notes",
+            ("fld_notes_id", &n(1)),
+            &legacy_schema,
+            "insert",
+            None,
+            Some(json::object([
+                ("fld_notes_zz", Value::int(1)),
+                ("fld_notes_aa", Value::int(1)),
+                ("fld_notes_owner", Value::string("u2")),
+            ])),
+        ),
+        // 22: never a synced table.
+        mutation(
+            22,
+            "tbl_nope",
+            ("fld_nope_id", "x"),
+            s,
+            "insert",
+            None,
+            Some(json::object([])),
+        ),
+        // 23: policy_rejected outranks validation_failed (owner is also not writable).
+        note_mutation(
+            23,
+            &n(3),
+            s,
+            "insert",
+            None,
+            Some(col("fld_notes_owner", Value::string("u2"))),
+        ),
+        // 24: a non-writable field.
+        note_mutation(
+            24,
+            &n(4),
+            s,
+            "insert",
+            None,
+            Some(col("fld_notes_updated_at", Value::string(NOW_TEXT))),
+        ),
+        // 25: a value of the wrong type.
+        note_mutation(
+            25,
+            &n(5),
+            s,
+            "insert",
+            None,
+            Some(col("fld_notes_title", Value::int(5))),
+        ),
+        // 26: null for a non-nullable field.
+        note_mutation(
+            26,
+            &n(6),
+            s,
+            "insert",
+            None,
+            Some(col("fld_notes_title", Value::Null)),
+        ),
+        // 27: a required value that the source does not supply.
+        note_mutation(
+            27,
+            &n(7),
+            s,
+            "insert",
+            None,
+            Some(json::object([("fld_notes_pinned", Value::Bool(true))])),
+        ),
+        // 28, 29: another user's row is hidden by the declarative rule.
+        note_mutation(
+            28,
+            &other,
+            s,
+            "update",
+            Some("any"),
+            Some(note_columns("mine")),
+        ),
+        note_mutation(29, &other, s, "insert", None, Some(note_columns("mine"))),
+        // 30: the key's own type is wrong: validation.
+        mutation(
+            30,
+            "tbl_templates",
+            ("fld_templates_id", "x"),
+            s,
+            "update",
+            Some("v"),
+            Some(json::object([("fld_templates_name", Value::int(1))])),
+        ),
+    ];
+    let (st, r, _) = c.push(&c.batch(20, mutations, false)).await;
+    assert_eq!(st, 200, "{r:?}");
+    let expect = [
+        (20, "schema_incompatible"),
+        (21, "schema_incompatible"),
+        (22, "table_not_synced"),
+        (23, "policy_rejected"),
+        (24, "validation_failed"),
+        (25, "validation_failed"),
+        (26, "validation_failed"),
+        (27, "validation_failed"),
+        (28, "policy_rejected"),
+        (29, "policy_rejected"),
+        (30, "validation_failed"),
+    ];
+    for (i, code) in expect {
+        let (accepted, o) = outcome(&r, i);
+        assert!(!accepted);
+        assert_eq!(
+            status(&o),
+            ("rejected_terminal".into(), Some(code.into())),
+            "mutation {i}"
+        );
+        if code != "schema_incompatible" {
+            assert_eq!(
+                keys(&o),
+                [
+                    "code",
+                    "message",
+                    "mutation_id",
+                    "outcome_schema",
+                    "pk",
+                    "status",
+                    "table"
+                ],
+                "mutation {i}"
+            );
+        }
+    }
+    let (_, o) = outcome(&r, 21);
+    let m = members(&o);
+    assert_eq!(
+        keys(&o),
+        [
+            "authored_schema",
+            "code",
+            "current_schema",
+            "incompatible_field_ids",
+            "message",
+            "mutation_id",
+            "outcome_schema",
+            "pk",
+            "retryable",
+            "status",
+            "table"
+        ]
+    );
+    assert_eq!(m["retryable"], Value::Bool(false));
+    assert_eq!(m["authored_schema"], legacy_schema);
+    assert_eq!(m["current_schema"], *s);
+    assert_eq!(
+        json::to_canonical_string(&m["incompatible_field_ids"]),
+        r#"["fld_notes_aa","fld_notes_zz"]"#
+    );
+    let _ = manifest;
+    // Nothing was written for any of them: the other user's row is unchanged.
+    let (_, r, _) = c
+        .push(&c.batch(
+            21,
+            vec![note_mutation(
+                31,
+                &n(7),
+                s,
+                "update",
+                Some("v"),
+                Some(note_columns("t")),
+            )],
+            false,
+        ))
+        .await;
+    assert_eq!(
+        status(&outcome(&r, 31).1).1.as_deref(),
+        Some("row_not_found")
+    );
+}
+
+/// Whole-request errors: status and code.
+async fn request_errors(c: &PushClient) {
+    let s = &c.schema;
+    let one = |n| {
+        vec![note_mutation(
+            n,
+            &note_id(n),
+            s,
+            "insert",
+            None,
+            Some(note_columns("e")),
+        )]
+    };
+    // A client that never connected, and a client of another user: 401.
+    let mut stranger = c.clone();
+    stranger.client_id = "never-connected".into();
+    let (st, r, _) = stranger.push(&stranger.batch(40, one(40), false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (401, "auth_required"));
+    let (st, r, _) = c.push_as("u2", &c.batch(40, one(40), false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (401, "auth_required"));
+    // Structure: duplicate mutation IDs, an empty update.
+    let dup = vec![one(41).remove(0), one(41).remove(0)];
+    let (st, r, _) = c.push(&c.batch(41, dup, false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    let empty_update = vec![note_mutation(
+        42,
+        &note_id(42),
+        s,
+        "update",
+        Some("v"),
+        Some(json::object([])),
+    )];
+    let (st, r, _) = c.push(&c.batch(42, empty_update, false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    // 1001 mutations: the limit is enforced, never clamped.
+    let many = (0..1001)
+        .map(|i| {
+            note_mutation(
+                1000 + i,
+                &note_id(1000 + i),
+                s,
+                "insert",
+                None,
+                Some(note_columns("m")),
+            )
+        })
+        .collect();
+    let (st, r, _) = c.push(&c.batch(43, many, false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    // The generation gate, then the schema gate.
+    let mut stale = c.clone();
+    stale.generation += 1;
+    let (st, r, _) = stale.push(&stale.batch(44, one(44), false)).await;
+    assert_eq!(
+        (st, error_code(&r).as_str()),
+        (409, "client_generation_expired")
+    );
+    assert_eq!(
+        members(&members(&r)["error"])["current_client_generation"],
+        Value::int(c.generation as i64)
+    );
+    let mut old = c.clone();
+    old.schema = json::object([
+        ("version", Value::int(1)),
+        ("hash", Value::string("ab".repeat(32))),
+    ]);
+    let (st, r, _) = old.push(&old.batch(45, one(45), false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (422, "schema_mismatch"));
+    // A failed request did no work: the same mutations now execute.
+    let (st, r, _) = c.push(&c.batch(46, one(44), false)).await;
+    assert_eq!(st, 200);
+    assert!(outcome(&r, 44).0);
+}
+
+/// Mutation reuse across batches, and atomic batches.
+async fn reuse_and_atomic(c: &PushClient) {
+    let s = &c.schema;
+    let n = |i: u64| note_id(100 + i);
+    let ins = |m, i| note_mutation(m, &n(i), s, "insert", None, Some(note_columns("r")));
+    let (_, first, _) = c.push(&c.batch(50, vec![ins(50, 0)], false)).await;
+    let stored = outcome(&first, 50).1;
+    // Reused unchanged in a new batch: the stored outcome, byte for byte, no re-execution.
+    let (st, r, _) = c
+        .push(&c.batch(51, vec![ins(50, 0), ins(51, 1)], false))
+        .await;
+    assert_eq!(st, 200);
+    assert_eq!(
+        json::to_canonical(&outcome(&r, 50).1),
+        json::to_canonical(&stored)
+    );
+    assert!(outcome(&r, 51).0);
+    // Reused with different content: 409.
+    let changed = note_mutation(50, &n(0), s, "insert", None, Some(note_columns("changed")));
+    let (st, r, _) = c.push(&c.batch(52, vec![changed], false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (409, "idempotency_conflict"));
+    // An atomic batch may not reuse a completed mutation.
+    let (st, r, _) = c
+        .push(&c.batch(53, vec![ins(50, 0), ins(53, 3)], true))
+        .await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    // An atomic batch may not name one row twice.
+    let (st, r, _) = c
+        .push(&c.batch(54, vec![ins(54, 4), ins(55, 4)], true))
+        .await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+
+    // An atomic batch whose third mutation conflicts: nothing applies.
+    let v0 = version_of(&stored);
+    let group = vec![
+        ins(56, 6),
+        note_mutation(57, &n(0), s, "update", Some(&v0), Some(note_columns("g"))),
+        note_mutation(
+            58,
+            &n(1),
+            s,
+            "update",
+            Some("stale"),
+            Some(note_columns("g")),
+        ),
+    ];
+    let (st, r, _) = c.push(&c.batch(55, group, true)).await;
+    assert_eq!(st, 200);
+    let Value::Array(accepted) = &members(&r)["accepted"] else {
+        panic!()
+    };
+    assert!(accepted.is_empty());
+    for m in [56, 57] {
+        let (_, o) = outcome(&r, m);
+        assert_eq!(
+            status(&o),
+            (
+                "rejected_terminal".into(),
+                Some("atomic_batch_rejected".into())
+            )
+        );
+        assert_eq!(
+            members(&o)["message"].as_str(),
+            Some("atomic batch rejected")
+        );
+        assert_eq!(
+            keys(&o),
+            [
+                "code",
+                "message",
+                "mutation_id",
+                "outcome_schema",
+                "pk",
+                "status",
+                "table"
+            ]
+        );
+    }
+    let (_, o) = outcome(&r, 58);
+    assert_eq!(
+        status(&o),
+        ("conflict".into(), Some("version_conflict".into()))
+    );
+    // The rollback is real: the first two mutations' rows are as before.
+    let check = vec![
+        note_mutation(59, &n(6), s, "update", Some("v"), Some(note_columns("x"))),
+        note_mutation(
+            60,
+            &n(0),
+            s,
+            "update",
+            Some(&v0),
+            Some(note_columns("after")),
+        ),
+    ];
+    let (_, r, _) = c.push(&c.batch(56, check, false)).await;
+    assert_eq!(
+        status(&outcome(&r, 59).1).1.as_deref(),
+        Some("row_not_found")
+    );
+    assert!(outcome(&r, 60).0, "the atomic update never advanced v0");
+    // A mutation rejected with its atomic batch cannot be reused outside one.
+    let (st, r, _) = c.push(&c.batch(57, vec![ins(56, 6)], false)).await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    // An atomic batch that applies: every outcome applied.
+    let (st, r, _) = c
+        .push(&c.batch(58, vec![ins(61, 11), ins(62, 12)], true))
+        .await;
+    assert_eq!(st, 200);
+    assert!(outcome(&r, 61).0 && outcome(&r, 62).0);
+    // A non-atomic response never carries atomic_batch_rejected, even when mixed.
+    let (_, r, _) = c
+        .push(&c.batch(59, vec![ins(63, 11), ins(64, 14)], false))
+        .await;
+    assert_eq!(
+        status(&outcome(&r, 63).1).1.as_deref(),
+        Some("row_already_exists")
+    );
+    assert!(outcome(&r, 64).0);
+}
+
+/// Replay stays byte-identical after a generation and a schema change; and
+/// every write was captured with the version its outcome reported.
+async fn replay_after_changes<W: CaptureWorld>(
+    world: &W,
+    c: &PushClient,
+    body: Value,
+    bytes: Vec<u8>,
+) {
+    let store = world.store().clone();
+    // A generation the server did not issue renews it on connect.
+    let mut renew = ConnectBody::fresh(&c.client_id);
+    renew.generation = Some(c.generation + 5);
+    renew.schema = c.schema.clone();
+    let r = c
+        .engine
+        .connect(&c.user, json::to_canonical(&renew.to_json()), NOW)
+        .await;
+    assert_eq!(r.status, 200);
+    let mut tx = store.begin().await.unwrap();
+    let record = tx.lock_client(&c.client_id).await.unwrap().unwrap();
+    drop(tx);
+    // Every push that applied something stepped the epoch once.
+    assert!(
+        record.accepted_write_epoch >= 8,
+        "epoch {}",
+        record.accepted_write_epoch
+    );
+    // A schema change: a new manifest (class 2, a renamed table).
+    let changed = {
+        let mut config = push_config();
+        config.tables[0].name = "notes_renamed".into();
+        config
+    };
+    let engine2 = Engine::start(store.clone(), changed).await.unwrap();
+    let c2 = PushClient {
+        engine: engine2.clone(),
+        ..c.clone()
+    };
+    let (st, _, replayed) = c2.push(&body).await;
+    assert_eq!(
+        (st, replayed),
+        (200, bytes),
+        "replay is byte-identical after the changes"
+    );
+    // First execution under the old schema now fails its gate.
+    let fresh = c2.batch(
+        90,
+        vec![note_mutation(
+            90,
+            &note_id(90),
+            &c.schema,
+            "insert",
+            None,
+            Some(note_columns("z")),
+        )],
+        false,
+    );
+    let (st, r, _) = c2.push(&fresh).await;
+    assert_eq!(st, 409, "the generation gate comes first: {r:?}");
+}

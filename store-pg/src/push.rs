@@ -1,0 +1,584 @@
+//! Push on PostgreSQL: the ledger tables, and source writes as the role
+//! `synchro_writer` (no BYPASSRLS) with the user in `synchro.user_id`, so
+//! the application's row security, constraints and triggers apply.
+//!
+//! Values travel as text and are cast to each column's base type (without
+//! its modifier: an explicit cast to `varchar(3)` would truncate silently;
+//! the assignment checks the modifier instead). Every write runs under a
+//! savepoint, so a refused write, or one that changes no row, leaves nothing.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+
+use actors::ledger::contract::{
+    FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, StoredBatch, StoredMutation,
+    VersionRecord, WriteResult, WriteTarget, Writer,
+};
+use actors::store::StoreError;
+use protocol::digest::Digest;
+use protocol::ids::CanonicalUuid;
+use sqlx::Row;
+
+use crate::{PgStore, PgTx, db_error};
+
+/// What writing a relation needs from the catalog.
+#[derive(Debug)]
+pub(crate) struct RelationTypes {
+    /// Column -> base type name (`format_type` without modifier).
+    types: HashMap<String, String>,
+    /// The primary key constraint: a violation of it is a taken key.
+    pk_constraint: String,
+}
+
+/// Per relation, loaded by `install`.
+pub(crate) type WriteCatalog = Arc<RwLock<HashMap<String, Arc<RelationTypes>>>>;
+
+fn install_error(what: &str, e: sqlx::Error) -> StoreError {
+    StoreError::Unavailable(format!("push setup: {what}: {}", db_error(e)))
+}
+
+/// `"schema"."name"` of a validated `schema.name`.
+pub(crate) fn quoted(relation: &str) -> String {
+    match relation.split_once('.') {
+        Some((s, n)) => format!("\"{s}\".\"{n}\""),
+        None => format!("\"{relation}\""),
+    }
+}
+
+/// Creates the writer role if needed, grants it the registered tables, and
+/// loads their column types.
+pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<(), StoreError> {
+    let pool = store.pool();
+    // Roles are cluster-wide: another database may create it at the same moment.
+    sqlx::raw_sql(
+        "DO $$ BEGIN \
+           CREATE ROLE synchro_writer NOLOGIN NOSUPERUSER NOBYPASSRLS NOINHERIT; \
+         EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$",
+    )
+    .execute(pool)
+    .await
+    .map_err(|e| install_error("creating role synchro_writer needs CREATEROLE", e))?;
+    let mut grants = vec![
+        "DO $$ BEGIN \
+           IF NOT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) \
+              AND NOT pg_has_role(current_user, 'synchro_writer', 'MEMBER') THEN \
+             EXECUTE format('GRANT synchro_writer TO %I', current_user); \
+           END IF; \
+         EXCEPTION WHEN unique_violation THEN NULL; END $$"
+            .to_owned(),
+        "GRANT USAGE ON SCHEMA synchro TO synchro_writer".to_owned(),
+        "GRANT SELECT ON synchro.row_versions TO synchro_writer".to_owned(),
+    ];
+    for t in targets {
+        if let Some((schema, _)) = t.relation.split_once('.') {
+            grants.push(format!(
+                "GRANT USAGE ON SCHEMA \"{schema}\" TO synchro_writer"
+            ));
+        }
+        grants.push(format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO synchro_writer",
+            quoted(&t.relation)
+        ));
+    }
+    let script = grants.join(";\n");
+    // Concurrent GRANTs on one object can fail with "tuple concurrently updated".
+    let mut attempt = 0;
+    loop {
+        match sqlx::raw_sql(&script).execute(pool).await {
+            Ok(_) => break,
+            Err(_) if attempt < 5 => attempt += 1,
+            Err(e) => return Err(install_error("granting synchro_writer the tables", e)),
+        }
+    }
+    let mut catalog = HashMap::new();
+    for t in targets {
+        let types = sqlx::query(
+            "SELECT a.attname::text, format_type(a.atttypid, NULL) FROM pg_attribute a \
+             WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped",
+        )
+        .bind(&t.relation)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| install_error("reading column types", e))?
+        .into_iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<Result<HashMap<String, String>, sqlx::Error>>()
+        .map_err(db_error)?;
+        let pk_constraint: String = sqlx::query_scalar(
+            "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
+        )
+        .bind(&t.relation)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| install_error("reading the primary key constraint", e))?;
+        for c in &t.columns {
+            if !types.contains_key(c) {
+                return Err(StoreError::Unavailable(format!(
+                    "push setup: {} has no column {c}",
+                    t.relation
+                )));
+            }
+        }
+        catalog.insert(
+            t.relation.clone(),
+            Arc::new(RelationTypes {
+                types,
+                pk_constraint,
+            }),
+        );
+    }
+    *store
+        .writes
+        .write()
+        .map_err(|_| StoreError::Integrity("write catalog lock poisoned".into()))? = catalog;
+    Ok(())
+}
+
+/// The savepoint around one write, and the one around an atomic group.
+const WRITE_SAVEPOINT: &str = "synchro_write";
+const GROUP_SAVEPOINT: &str = "synchro_group";
+
+/// How the source refused a statement; `None` for an operational failure.
+fn refusal(e: &sqlx::Error, pk_constraint: &str) -> Option<Refusal> {
+    let sqlx::Error::Database(d) = e else {
+        return None;
+    };
+    let code = d.code()?;
+    Some(match code.as_ref() {
+        // Row security (WITH CHECK, or a policy on RETURNING), missing privilege.
+        "42501" => Refusal::Policy,
+        // An exception raised by a trigger of the application: its write policy.
+        "P0001" => Refusal::Policy,
+        "23505" if d.constraint() == Some(pk_constraint) => Refusal::DuplicateKey,
+        c if c.starts_with("23") || c.starts_with("22") => Refusal::Constraint,
+        _ => return None,
+    })
+}
+
+/// The text form a key takes in `synchro.row_versions` (PostgreSQL's
+/// output); `None` when the column type cannot hold it at all.
+fn canonical_key(ty: &str, key: &str) -> Option<String> {
+    match ty {
+        "smallint" => key.parse::<i16>().ok().map(|v| v.to_string()),
+        "integer" => key.parse::<i32>().ok().map(|v| v.to_string()),
+        "bigint" => key.parse::<i64>().ok().map(|v| v.to_string()),
+        "uuid" => uuid::Uuid::parse_str(key).ok().map(|u| u.to_string()),
+        _ => Some(key.to_owned()),
+    }
+}
+
+/// A column of `alias` in its output form (booleans' text cast says `true`; output says `t`).
+fn select_text(alias: &str, column: &str, ty: &str) -> String {
+    if ty == "boolean" {
+        format!(
+            "CASE WHEN {alias}.\"{column}\" THEN 't' WHEN NOT {alias}.\"{column}\" THEN 'f' END"
+        )
+    } else {
+        format!("{alias}.\"{column}\"::text")
+    }
+}
+
+impl PgTx {
+    fn relation(&self, target: &WriteTarget) -> Result<Arc<RelationTypes>, StoreError> {
+        self.writes
+            .read()
+            .map_err(|_| StoreError::Integrity("write catalog lock poisoned".into()))?
+            .get(&target.relation)
+            .cloned()
+            .ok_or_else(|| StoreError::Integrity("push is not installed for a table".into()))
+    }
+
+    fn type_of<'r>(&self, r: &'r RelationTypes, column: &str) -> Result<&'r str, StoreError> {
+        r.types
+            .get(column)
+            .map(String::as_str)
+            .ok_or_else(|| StoreError::Integrity("a synced column is missing".into()))
+    }
+
+    /// Runs statements without parameters in one round trip. Boxed: the
+    /// future of `raw_sql` on a borrowed connection is only `Send` at one lifetime.
+    fn simple(
+        &mut self,
+        sql: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), sqlx::Error>> + Send + '_>>
+    {
+        Box::pin(async move {
+            let conn: &mut sqlx::PgConnection = &mut self.tx;
+            sqlx::Executor::execute(conn, sql.as_str())
+                .await
+                .map(|_| ())
+        })
+    }
+
+    pub(crate) async fn read_push_ledger(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        batch_id: CanonicalUuid,
+        mutation_ids: &[CanonicalUuid],
+    ) -> Result<LedgerEntries, StoreError> {
+        let batch = sqlx::query(
+            "SELECT fingerprint, status, body FROM synchro.push_batches \
+             WHERE user_id = $1 AND client_id = $2 AND batch_id = $3::uuid",
+        )
+        .bind(user_id)
+        .bind(client_id)
+        .bind(batch_id.to_string())
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        let batch = match batch {
+            None => None,
+            Some(r) => Some(StoredBatch {
+                batch_id,
+                fingerprint: digest(r.try_get(0).map_err(db_error)?)?,
+                status: u16::try_from(r.try_get::<i16, _>(1).map_err(db_error)?)
+                    .map_err(|_| StoreError::Integrity("stored push status".into()))?,
+                body: r.try_get(2).map_err(db_error)?,
+            }),
+        };
+        let ids: Vec<String> = mutation_ids.iter().map(|u| u.to_string()).collect();
+        let rows = sqlx::query(
+            "SELECT mutation_id::text, batch_id::text, fingerprint, outcome FROM synchro.push_mutations \
+             WHERE user_id = $1 AND client_id = $2 AND mutation_id = ANY($3::text[]::uuid[])",
+        )
+        .bind(user_id)
+        .bind(client_id)
+        .bind(&ids)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        let canonical =
+            |u: String| CanonicalUuid::parse(&u).ok_or(StoreError::Integrity("stored UUID".into()));
+        let mutations = rows
+            .into_iter()
+            .map(|r| {
+                Ok(StoredMutation {
+                    mutation_id: canonical(r.try_get(0).map_err(db_error)?)?,
+                    batch_id: canonical(r.try_get(1).map_err(db_error)?)?,
+                    fingerprint: digest(r.try_get(2).map_err(db_error)?)?,
+                    outcome: r.try_get(3).map_err(db_error)?,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(LedgerEntries { batch, mutations })
+    }
+
+    pub(crate) async fn write_push_record(&mut self, r: &PushRecord) -> Result<(), StoreError> {
+        let uuid = |u: &CanonicalUuid| u.to_string();
+        let taken = |e: sqlx::Error| match &e {
+            sqlx::Error::Database(d) if d.code().as_deref() == Some("23505") => {
+                StoreError::Integrity("a ledger identity completed twice".into())
+            }
+            _ => db_error(e),
+        };
+        sqlx::query(
+            "INSERT INTO synchro.push_batches (user_id, client_id, batch_id, fingerprint, status, body) \
+             VALUES ($1, $2, $3::uuid, $4, $5, $6)",
+        )
+        .bind(&r.user_id)
+        .bind(&r.client_id)
+        .bind(uuid(&r.batch.batch_id))
+        .bind(&r.batch.fingerprint.0[..])
+        .bind(r.batch.status as i16)
+        .bind(&r.batch.body)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(taken)?;
+        if r.mutations.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<String> = r.mutations.iter().map(|m| uuid(&m.mutation_id)).collect();
+        let batches: Vec<String> = r.mutations.iter().map(|m| uuid(&m.batch_id)).collect();
+        let fingerprints: Vec<Vec<u8>> = r
+            .mutations
+            .iter()
+            .map(|m| m.fingerprint.0.to_vec())
+            .collect();
+        let outcomes: Vec<Vec<u8>> = r.mutations.iter().map(|m| m.outcome.clone()).collect();
+        sqlx::query(
+            "INSERT INTO synchro.push_mutations \
+               (user_id, client_id, mutation_id, batch_id, fingerprint, outcome) \
+             SELECT $1, $2, m::uuid, b::uuid, f, o \
+             FROM UNNEST($3::text[], $4::text[], $5::bytea[], $6::bytea[]) AS u(m, b, f, o)",
+        )
+        .bind(&r.user_id)
+        .bind(&r.client_id)
+        .bind(&ids)
+        .bind(&batches)
+        .bind(&fingerprints)
+        .bind(&outcomes)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(taken)?;
+        Ok(())
+    }
+
+    pub(crate) async fn start_writes(&mut self, w: &Writer) -> Result<(), StoreError> {
+        // Output forms pinned as for capture, so both read the same text.
+        sqlx::query(
+            "SELECT set_config('role', 'synchro_writer', true), \
+                    set_config('synchro.user_id', $1, true), \
+                    set_config('synchro.client_id', $2, true), \
+                    set_config('DateStyle', 'ISO, YMD', true), \
+                    set_config('TimeZone', 'UTC', true), \
+                    set_config('extra_float_digits', '1', true), \
+                    set_config('bytea_output', 'hex', true)",
+        )
+        .bind(&w.user_id)
+        .bind(&w.client_id)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if w.immediate_constraints {
+            // Each statement is a push unit: deferrable constraints are checked at its end.
+            self.simple("SET CONSTRAINTS ALL IMMEDIATE".into())
+                .await
+                .map_err(db_error)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn stop_writes(&mut self) -> Result<(), StoreError> {
+        self.savepoint_open = false;
+        self.simple("SET LOCAL ROLE NONE".into())
+            .await
+            .map_err(db_error)
+    }
+
+    pub(crate) async fn lock_rows(
+        &mut self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> Result<Vec<FoundRow>, StoreError> {
+        let rel = self.relation(target)?;
+        let pk_type = self.type_of(&rel, &target.primary_key)?.to_owned();
+        let canonical: Vec<Option<String>> =
+            keys.iter().map(|k| canonical_key(&pk_type, k)).collect();
+        let castable: Vec<&String> = canonical.iter().flatten().collect();
+        let mut columns = Vec::new();
+        for c in &target.columns {
+            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+        }
+        let pk = &target.primary_key;
+        let sql = format!(
+            "SELECT r.\"{pk}\"::text, {} FROM {} r WHERE r.\"{pk}\" = ANY($1::text[]::{pk_type}[]) \
+             ORDER BY r.\"{pk}\" FOR UPDATE",
+            columns.join(", "),
+            quoted(&target.relation)
+        );
+        let rows = sqlx::query(&sql)
+            .bind(&castable)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        let mut visible = BTreeMap::new();
+        for r in rows {
+            let key: String = r.try_get(0).map_err(db_error)?;
+            let mut image = BTreeMap::new();
+            for (i, c) in target.columns.iter().enumerate() {
+                image.insert(
+                    c.clone(),
+                    r.try_get::<Option<String>, _>(i + 1).map_err(db_error)?,
+                );
+            }
+            visible.insert(key, image);
+        }
+        let versions: BTreeMap<String, VersionRecord> = sqlx::query(
+            "SELECT key, version, deleted FROM synchro.row_versions \
+             WHERE table_id = $1 AND key = ANY($2)",
+        )
+        .bind(&target.table_id)
+        .bind(&castable)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .into_iter()
+        .map(|r| {
+            Ok((
+                r.try_get(0)?,
+                VersionRecord {
+                    version: r.try_get(1)?,
+                    deleted: r.try_get(2)?,
+                },
+            ))
+        })
+        .collect::<Result<_, sqlx::Error>>()
+        .map_err(db_error)?;
+        Ok(keys
+            .iter()
+            .zip(&canonical)
+            .map(|(key, c)| FoundRow {
+                key: key.clone(),
+                visible: c.as_ref().and_then(|c| visible.get(c).cloned()),
+                version: c.as_ref().and_then(|c| versions.get(c).cloned()),
+            })
+            .collect())
+    }
+
+    pub(crate) async fn write(
+        &mut self,
+        target: &WriteTarget,
+        key: &str,
+        write: &RowWrite,
+    ) -> Result<WriteResult, StoreError> {
+        let rel = self.relation(target)?;
+        let pk = &target.primary_key;
+        let pk_type = self.type_of(&rel, pk)?.to_owned();
+        let cast = |n: usize, ty: &str| format!("${n}::text::{ty}");
+        let (sql, values) = match write {
+            RowWrite::Insert { values } => {
+                let mut columns = vec![format!("\"{pk}\"")];
+                let mut exprs = vec![cast(1, &pk_type)];
+                for (i, (c, _)) in values.iter().enumerate() {
+                    columns.push(format!("\"{c}\""));
+                    exprs.push(cast(i + 2, self.type_of(&rel, c)?));
+                }
+                let sql = format!(
+                    "INSERT INTO {} ({}) VALUES ({})",
+                    quoted(&target.relation),
+                    columns.join(", "),
+                    exprs.join(", ")
+                );
+                (sql, values.as_slice())
+            }
+            RowWrite::Update { values } => {
+                let mut sets = Vec::new();
+                for (i, (c, _)) in values.iter().enumerate() {
+                    sets.push(format!("\"{c}\" = {}", cast(i + 2, self.type_of(&rel, c)?)));
+                }
+                let sql = format!(
+                    "UPDATE {} SET {} WHERE \"{pk}\" = {}",
+                    quoted(&target.relation),
+                    sets.join(", "),
+                    cast(1, &pk_type)
+                );
+                (sql, values.as_slice())
+            }
+            RowWrite::Delete => (
+                format!(
+                    "DELETE FROM {} WHERE \"{pk}\" = {}",
+                    quoted(&target.relation),
+                    cast(1, &pk_type)
+                ),
+                &[][..],
+            ),
+        };
+        let open = if self.savepoint_open {
+            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
+        } else {
+            format!("SAVEPOINT {WRITE_SAVEPOINT}")
+        };
+        self.simple(open).await.map_err(db_error)?;
+        self.savepoint_open = true;
+        let mut q = sqlx::query(&sql).bind(key);
+        for (_, v) in values {
+            q = q.bind(v.as_deref());
+        }
+        let changed = match q.execute(&mut *self.tx).await {
+            Ok(done) => done.rows_affected(),
+            Err(e) => {
+                let refused = refusal(&e, &rel.pk_constraint);
+                self.undo_write().await?;
+                return match refused {
+                    Some(r) => Ok(WriteResult::Refused(r)),
+                    None => Err(db_error(e)),
+                };
+            }
+        };
+        if changed == 0 {
+            // Triggers may have written before the row was kept: undo them too.
+            self.undo_write().await?;
+            return Ok(WriteResult::Unchanged);
+        }
+        // The row as the writer now sees it, and the version the trigger gave it.
+        let mut columns = Vec::new();
+        for c in &target.columns {
+            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+        }
+        let canonical = canonical_key(&pk_type, key)
+            .ok_or_else(|| StoreError::Integrity("a written key cannot be read back".into()))?;
+        let sql = format!(
+            "SELECT v.version, r.\"{pk}\" IS NOT NULL, {} FROM synchro.row_versions v \
+             LEFT JOIN {} r ON r.\"{pk}\" = {} WHERE v.table_id = $2 AND v.key = $3",
+            columns.join(", "),
+            quoted(&target.relation),
+            cast(1, &pk_type)
+        );
+        let row = sqlx::query(&sql)
+            .bind(key)
+            .bind(&target.table_id)
+            .bind(&canonical)
+            .fetch_optional(&mut *self.tx)
+            .await
+            .map_err(db_error)?
+            .ok_or_else(|| StoreError::Integrity("a written row has no version".into()))?;
+        let version: String = row.try_get(0).map_err(db_error)?;
+        let exists: bool = row.try_get(1).map_err(db_error)?;
+        let deleting = matches!(write, RowWrite::Delete);
+        if !exists && !deleting {
+            // The written row is not visible to its writer: row security keeps it.
+            self.undo_write().await?;
+            return Ok(WriteResult::Refused(Refusal::Policy));
+        }
+        let image = if exists && !deleting {
+            let mut image = BTreeMap::new();
+            for (i, c) in target.columns.iter().enumerate() {
+                image.insert(
+                    c.clone(),
+                    row.try_get::<Option<String>, _>(i + 2).map_err(db_error)?,
+                );
+            }
+            Some(image)
+        } else {
+            None
+        };
+        Ok(WriteResult::Written {
+            row: image,
+            version,
+        })
+    }
+
+    async fn undo_write(&mut self) -> Result<(), StoreError> {
+        self.savepoint_open = false;
+        self.simple(format!(
+            "ROLLBACK TO SAVEPOINT {WRITE_SAVEPOINT}; RELEASE SAVEPOINT {WRITE_SAVEPOINT}"
+        ))
+        .await
+        .map_err(db_error)
+    }
+
+    pub(crate) async fn open_group(&mut self) -> Result<(), StoreError> {
+        let sql = if self.savepoint_open {
+            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {GROUP_SAVEPOINT}")
+        } else {
+            format!("SAVEPOINT {GROUP_SAVEPOINT}")
+        };
+        self.savepoint_open = false;
+        self.simple(sql).await.map_err(db_error)
+    }
+
+    pub(crate) async fn deferred_check(&mut self) -> Result<Option<Refusal>, StoreError> {
+        match self.simple("SET CONSTRAINTS ALL IMMEDIATE".into()).await {
+            Ok(()) => Ok(None),
+            // The group savepoint is still there: the caller undoes the group.
+            Err(e) => match refusal(&e, "") {
+                Some(Refusal::DuplicateKey) | None => Err(db_error(e)),
+                Some(r) => Ok(Some(r)),
+            },
+        }
+    }
+
+    pub(crate) async fn close_group(&mut self) -> Result<(), StoreError> {
+        self.savepoint_open = false;
+        self.simple(format!("ROLLBACK TO SAVEPOINT {GROUP_SAVEPOINT}"))
+            .await
+            .map_err(db_error)
+    }
+}
+
+fn digest(bytes: Vec<u8>) -> Result<Digest, StoreError> {
+    <[u8; 32]>::try_from(bytes)
+        .map(Digest)
+        .map_err(|_| StoreError::Integrity("stored fingerprint".into()))
+}

@@ -1,0 +1,368 @@
+//! Push on a throwaway cluster: the push suite (as on MemStore), and what
+//! only PostgreSQL has: row security, deferrable constraints checked at the
+//! end of each push unit, triggers, and real concurrency.
+#![cfg(not(madsim))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::collections::BTreeSet;
+
+use actors::Engine;
+use actors::testkit::{
+    PushClient, note_columns, note_id, note_mutation, outcome, push_config, push_suite, version_of,
+};
+use protocol::json::{self, Value};
+use store_pg::cluster::PgCluster;
+use store_pg::{PgStore, PgWorld, example_store};
+
+fn code(o: &Value) -> Option<String> {
+    o.as_object()
+        .unwrap()
+        .get("code")
+        .map(|c| c.as_str().unwrap().to_owned())
+}
+
+async fn sql(store: &PgStore, text: &str) {
+    sqlx::raw_sql(text).execute(store.pool()).await.unwrap();
+}
+
+async fn engine(store: &PgStore) -> Engine {
+    Engine::start(store.clone(), push_config()).await.unwrap()
+}
+
+#[tokio::test]
+async fn every_push_outcome_on_postgres() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let world = PgWorld {
+        store: example_store(&cluster, "push").await,
+    };
+    push_suite(&world).await;
+    // Accepted writes left fences pending for the client until capture satisfied them.
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.pending_fences")
+        .fetch_one(world.store.pool())
+        .await
+        .unwrap();
+    let versions: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.row_versions")
+        .fetch_one(world.store.pool())
+        .await
+        .unwrap();
+    assert!(versions > 0 && pending <= versions, "{pending} {versions}");
+}
+
+/// Row security of the application table is the write policy.
+#[tokio::test]
+async fn row_security_denials() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "rls").await;
+    // Users see and write only their own notes; a pinned note cannot be written.
+    sql(
+        &store,
+        "ALTER TABLE public.notes ALTER owner_id SET DEFAULT current_setting('synchro.user_id', true);
+         ALTER TABLE public.notes ENABLE ROW LEVEL SECURITY;
+         CREATE POLICY own ON public.notes
+           USING (owner_id = current_setting('synchro.user_id', true))
+           WITH CHECK (owner_id = current_setting('synchro.user_id', true) AND NOT pinned);",
+    )
+    .await;
+    // Without the declarative rule, row security alone decides.
+    let mut config = push_config();
+    config.tables[0].owner_column = None;
+    let engine = Engine::start(store.clone(), config).await.unwrap();
+    let c = PushClient::connect(&engine, "u1", "c1").await;
+    let s = &c.schema;
+    let theirs = note_id(1);
+    sql(
+        &store,
+        &format!(
+            "INSERT INTO public.notes (id, owner_id, title) VALUES ('{theirs}', 'u2', 'hidden')"
+        ),
+    )
+    .await;
+    let pinned = json::object([
+        ("fld_notes_title", Value::string("p")),
+        ("fld_notes_pinned", Value::Bool(true)),
+    ]);
+    let mine = |n: u64| note_id(10 + n);
+    let mutations = vec![
+        // A live row that row security hides: never "absent", for every operation.
+        note_mutation(1, &theirs, s, "insert", None, Some(note_columns("x"))),
+        note_mutation(2, &theirs, s, "update", Some("v"), Some(note_columns("x"))),
+        note_mutation(3, &theirs, s, "delete", Some("v"), None),
+        // A new row failing WITH CHECK.
+        note_mutation(4, &mine(4), s, "insert", None, Some(pinned.clone())),
+        // An insert the policy allows (the owner is the server's, the user).
+        note_mutation(5, &mine(5), s, "insert", None, Some(note_columns("ok"))),
+    ];
+    let (st, r, _) = c.push(&c.batch(1, mutations, false)).await;
+    assert_eq!(st, 200, "{r:?}");
+    for n in 1..=4 {
+        let (accepted, o) = outcome(&r, n);
+        assert!(!accepted);
+        assert_eq!(
+            code(&o).as_deref(),
+            Some("policy_rejected"),
+            "mutation {n}: {o:?}"
+        );
+        assert!(!o.as_object().unwrap().contains_key("server_version"));
+    }
+    let (accepted, o) = outcome(&r, 5);
+    assert!(accepted, "{o:?}");
+    let v = version_of(&o);
+    // An update whose new row fails WITH CHECK; the row is unchanged after it.
+    let (_, r, _) = c
+        .push(&c.batch(
+            2,
+            vec![note_mutation(
+                6,
+                &mine(5),
+                s,
+                "update",
+                Some(&v),
+                Some(pinned),
+            )],
+            false,
+        ))
+        .await;
+    assert_eq!(code(&outcome(&r, 6).1).as_deref(), Some("policy_rejected"));
+    // A BEFORE trigger that keeps the row (returns NULL): zero rows changed.
+    sql(
+        &store,
+        "CREATE FUNCTION public.keep_archived() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.title = 'archived' THEN
+             INSERT INTO public.templates VALUES ('side-effect', 'n', 'b');
+             RETURN NULL;
+           END IF;
+           RETURN NEW;
+         END $$;
+         CREATE TRIGGER keep_archived BEFORE INSERT OR UPDATE ON public.notes
+           FOR EACH ROW EXECUTE FUNCTION public.keep_archived();",
+    )
+    .await;
+    let (_, r, _) = c
+        .push(&c.batch(
+            3,
+            vec![
+                note_mutation(
+                    7,
+                    &mine(5),
+                    s,
+                    "update",
+                    Some(&v),
+                    Some(note_columns("archived")),
+                ),
+                note_mutation(
+                    8,
+                    &mine(8),
+                    s,
+                    "insert",
+                    None,
+                    Some(note_columns("archived")),
+                ),
+            ],
+            false,
+        ))
+        .await;
+    assert_eq!(code(&outcome(&r, 7).1).as_deref(), Some("policy_rejected"));
+    assert_eq!(code(&outcome(&r, 8).1).as_deref(), Some("policy_rejected"));
+    // The trigger's own writes were rolled back with the zero-row write.
+    let side: i64 = sqlx::query_scalar("SELECT count(*) FROM public.templates")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(side, 0);
+    // The row and its version are untouched: the original version still applies.
+    let (_, r, _) = c
+        .push(&c.batch(
+            4,
+            vec![note_mutation(
+                9,
+                &mine(5),
+                s,
+                "update",
+                Some(&v),
+                Some(note_columns("fine")),
+            )],
+            false,
+        ))
+        .await;
+    assert!(outcome(&r, 9).0);
+}
+
+/// Deferrable constraints are checked at the end of each push unit; an
+/// atomic batch failing on its third mutation rolls everything back.
+#[tokio::test]
+async fn deferred_constraints_and_atomic_rollback() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "deferred").await;
+    // A title must be unique, checked at the end of the unit.
+    sql(
+        &store,
+        "ALTER TABLE public.notes ADD CONSTRAINT unique_title UNIQUE (title) DEFERRABLE INITIALLY DEFERRED;",
+    )
+    .await;
+    let engine = engine(&store).await;
+    let c = PushClient::connect(&engine, "u1", "c1").await;
+    let s = &c.schema;
+    let (a, b, d) = (note_id(1), note_id(2), note_id(3));
+    // Non-atomic: each mutation is its own unit. The second duplicates the first's title.
+    let (_, r, _) = c
+        .push(&c.batch(
+            1,
+            vec![
+                note_mutation(1, &a, s, "insert", None, Some(note_columns("same"))),
+                note_mutation(2, &b, s, "insert", None, Some(note_columns("same"))),
+                note_mutation(3, &d, s, "insert", None, Some(note_columns("other"))),
+            ],
+            false,
+        ))
+        .await;
+    assert!(outcome(&r, 1).0);
+    assert_eq!(
+        code(&outcome(&r, 2).1).as_deref(),
+        Some("validation_failed")
+    );
+    assert!(outcome(&r, 3).0);
+    let va = version_of(&outcome(&r, 1).1);
+    let vd = version_of(&outcome(&r, 3).1);
+    // Atomic: inside the group the titles may clash temporarily (a swap); the
+    // check runs at the group's end.
+    let swap = vec![
+        note_mutation(4, &a, s, "update", Some(&va), Some(note_columns("other"))),
+        note_mutation(5, &d, s, "update", Some(&vd), Some(note_columns("same"))),
+    ];
+    let (_, r, _) = c.push(&c.batch(2, swap, true)).await;
+    assert!(outcome(&r, 4).0 && outcome(&r, 5).0, "{r:?}");
+    let va = version_of(&outcome(&r, 4).1);
+    let vd = version_of(&outcome(&r, 5).1);
+    // Atomic, failing at the group's end: the last mutation owns the failure.
+    let clash = vec![
+        note_mutation(6, &a, s, "update", Some(&va), Some(note_columns("x"))),
+        note_mutation(7, &b, s, "insert", None, Some(note_columns("y"))),
+        note_mutation(8, &d, s, "update", Some(&vd), Some(note_columns("x"))),
+    ];
+    let (_, r, _) = c.push(&c.batch(3, clash, true)).await;
+    let accepted = r.as_object().unwrap()["accepted"].clone();
+    assert_eq!(accepted, Value::Array(vec![]));
+    assert_eq!(
+        code(&outcome(&r, 6).1).as_deref(),
+        Some("atomic_batch_rejected")
+    );
+    assert_eq!(
+        code(&outcome(&r, 7).1).as_deref(),
+        Some("atomic_batch_rejected")
+    );
+    assert_eq!(
+        code(&outcome(&r, 8).1).as_deref(),
+        Some("validation_failed")
+    );
+    // Nothing of the group is left: no b, and a keeps its title and version.
+    let titles: Vec<String> = sqlx::query_scalar("SELECT title FROM public.notes ORDER BY title")
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(titles, ["other", "same"]);
+    // Atomic, failing on its third mutation by a conflict: the first two are undone.
+    let third = vec![
+        note_mutation(9, &a, s, "update", Some(&va), Some(note_columns("p"))),
+        note_mutation(10, &b, s, "insert", None, Some(note_columns("q"))),
+        note_mutation(11, &d, s, "update", Some("stale"), Some(note_columns("r"))),
+    ];
+    let (_, r, _) = c.push(&c.batch(4, third, true)).await;
+    let (_, o) = outcome(&r, 11);
+    assert_eq!(code(&o).as_deref(), Some("version_conflict"));
+    assert_eq!(version_of(&o), vd, "the committed state after the rollback");
+    let o = o.as_object().unwrap();
+    assert_eq!(
+        o["server_row"].as_object().unwrap()["fld_notes_title"].as_str(),
+        Some("same")
+    );
+    let count: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM public.notes WHERE title IN ('p', 'q')")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(count, 0);
+}
+
+/// One batch from 8 tasks at once executes once; two clients racing on one
+/// base version: exactly one wins.
+#[tokio::test]
+async fn concurrent_pushes() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "concurrent").await;
+    let engine = engine(&store).await;
+    let c = PushClient::connect(&engine, "u1", "c1").await;
+    let s = c.schema.clone();
+    let batch = c.batch(
+        1,
+        (0..20)
+            .map(|i| note_mutation(i, &note_id(i), &s, "insert", None, Some(note_columns("n"))))
+            .collect(),
+        false,
+    );
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (c, batch) = (c.clone(), batch.clone());
+            tokio::spawn(async move { c.push(&batch).await })
+        })
+        .collect();
+    let mut bodies = BTreeSet::new();
+    for t in tasks {
+        let (st, _, bytes) = t.await.unwrap();
+        assert_eq!(st, 200);
+        bodies.insert(bytes);
+    }
+    assert_eq!(
+        bodies.len(),
+        1,
+        "every caller got the one execution's bytes"
+    );
+    let executions: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.push_batches")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(executions, 1);
+    let epoch: i64 = sqlx::query_scalar(
+        "SELECT accepted_write_epoch FROM synchro.clients WHERE client_id = 'c1'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(epoch, 1);
+
+    // Two clients of one user update one row from the same base version.
+    let r = json::parse(&bodies.into_iter().next().unwrap()).unwrap();
+    let v = version_of(&outcome(&r, 0).1);
+    let d = PushClient::connect(&engine, "u1", "c2").await;
+    let mut rounds = Vec::new();
+    for (i, client) in [c.clone(), d.clone()].into_iter().enumerate() {
+        let body = client.batch(
+            10 + i as u64,
+            vec![note_mutation(
+                100 + i as u64,
+                &note_id(0),
+                &s,
+                "update",
+                Some(&v),
+                Some(note_columns(&format!("w{i}"))),
+            )],
+            false,
+        );
+        rounds.push(tokio::spawn(async move { client.push(&body).await }));
+    }
+    let mut winners = 0;
+    let mut conflicts = 0;
+    for (i, t) in rounds.into_iter().enumerate() {
+        let (st, r, _) = t.await.unwrap();
+        assert_eq!(st, 200);
+        let (accepted, o) = outcome(&r, 100 + i as u64);
+        if accepted {
+            winners += 1;
+        } else {
+            assert_eq!(code(&o).as_deref(), Some("version_conflict"));
+            conflicts += 1;
+        }
+    }
+    assert_eq!((winners, conflicts), (1, 1));
+}
