@@ -9,6 +9,7 @@
 //!   responses it is unchanged exactly when the assignment is unchanged.
 
 pub mod capture;
+pub mod push;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub mod capture;
+pub mod push;
 pub mod remote;
 
 use actors::store::MemStore;
@@ -66,7 +67,7 @@ pub struct Trace {
 }
 
 /// `request_id || user_len || user || body`.
-fn encode_request(id: u64, user: &str, body: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_request(id: u64, user: &str, body: &[u8]) -> Vec<u8> {
     let mut f = id.to_be_bytes().to_vec();
     f.extend_from_slice(&(user.len() as u32).to_be_bytes());
     f.extend_from_slice(user.as_bytes());
@@ -74,7 +75,7 @@ fn encode_request(id: u64, user: &str, body: &[u8]) -> Vec<u8> {
     f
 }
 
-fn decode_request(f: &[u8]) -> Option<(u64, String, Vec<u8>)> {
+pub(crate) fn decode_request(f: &[u8]) -> Option<(u64, String, Vec<u8>)> {
     let id = u64::from_be_bytes(f.get(..8)?.try_into().ok()?);
     let n = u32::from_be_bytes(f.get(8..12)?.try_into().ok()?) as usize;
     let user = String::from_utf8(f.get(12..12 + n)?.to_vec()).ok()?;
@@ -82,20 +83,20 @@ fn decode_request(f: &[u8]) -> Option<(u64, String, Vec<u8>)> {
 }
 
 /// `request_id || status || body`.
-fn encode_response(id: u64, status: u16, body: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_response(id: u64, status: u16, body: &[u8]) -> Vec<u8> {
     let mut f = id.to_be_bytes().to_vec();
     f.extend_from_slice(&status.to_be_bytes());
     f.extend_from_slice(body);
     f
 }
 
-fn decode_response(f: &[u8]) -> Option<(u64, u16, Vec<u8>)> {
+pub(crate) fn decode_response(f: &[u8]) -> Option<(u64, u16, Vec<u8>)> {
     let id = u64::from_be_bytes(f.get(..8)?.try_into().ok()?);
     let status = u16::from_be_bytes(f.get(8..10)?.try_into().ok()?);
     Some((id, status, f.get(10..)?.to_vec()))
 }
 
-fn now_micros() -> i64 {
+pub(crate) fn now_micros() -> i64 {
     let t = TimeHandle::current().now_time();
     t.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)

@@ -89,6 +89,7 @@ enum Answer {
 }
 
 /// One operation on a change feed held open on the database node.
+#[derive(Clone)]
 enum FeedOp {
     /// The next transaction, if one completes within this wait (at most `FEED_POLL`).
     Next(Duration),
@@ -127,6 +128,9 @@ enum Request {
         op: FeedOp,
     },
 }
+
+/// Sends of one feed operation before its connection counts as lost.
+const FEED_TRANSMISSIONS: usize = 3;
 
 /// How long the database node waits for the next source transaction per poll.
 const FEED_POLL: Duration = Duration::from_millis(100);
@@ -258,18 +262,48 @@ async fn serve_feed(
         problem: None,
     };
     reply(&ep, owner, id, 0, Answer::Feed(Ok(Some(Box::new(opened))))).await;
+    // A replication connection is a reliable stream: a lost datagram is sent
+    // again with its sequence number, and answered again from this copy.
+    let mut last: Option<(u64, FeedAnswer)> = None;
     loop {
         let Ok(Some((seq, op, from))) = timeout(IDLE_TIMEOUT, ops.recv()).await else {
             return; // dropped: leadership released
         };
+        if let Some((done, answer)) = &last {
+            if seq < *done {
+                continue; // a stale retransmission
+            }
+            if seq == *done {
+                reply(&ep, from, id, seq, answer.to_answer()).await;
+                continue;
+            }
+        }
         let answer = match op {
             FeedOp::Next(wait) => match feed.next(wait.min(FEED_POLL)).await {
-                Ok(t) => Answer::FeedNext(Ok((t.map(Box::new), feed.source_end()))),
-                Err(e) => Answer::FeedNext(Err(e)),
+                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end()))),
+                Err(e) => FeedAnswer::Next(Err(e)),
             },
-            FeedOp::Acknowledge(end) => Answer::Unit(feed.acknowledge(end).await),
+            FeedOp::Acknowledge(end) => FeedAnswer::Unit(feed.acknowledge(end).await),
         };
-        reply(&ep, from, id, seq, answer).await;
+        reply(&ep, from, id, seq, answer.to_answer()).await;
+        last = Some((seq, answer));
+    }
+}
+
+/// A feed answer kept for retransmission.
+enum FeedAnswer {
+    Next(Result<(Option<SourceTransaction>, Lsn), StoreError>),
+    Unit(Result<(), StoreError>),
+}
+
+impl FeedAnswer {
+    fn to_answer(&self) -> Answer {
+        match self {
+            FeedAnswer::Next(r) => {
+                Answer::FeedNext(r.clone().map(|(t, end)| (t.map(Box::new), end)))
+            }
+            FeedAnswer::Unit(r) => Answer::Unit(r.clone()),
+        }
     }
 }
 
@@ -554,19 +588,28 @@ pub struct RemoteFeed {
 }
 
 impl RemoteFeed {
+    /// Sends `op`, retransmitting it (same sequence number) a few times
+    /// before the connection counts as lost, as TCP would.
     async fn call(&mut self, op: FeedOp) -> Result<Answer, StoreError> {
         self.seq += 1;
         let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        let request = Request::Feed {
-            id: self.id,
-            seq: self.seq,
-            op,
-        };
-        self.ep
-            .send_to_raw(db, DB_REQUEST, Box::new(request))
-            .await
-            .map_err(|_| lost())?;
-        answer(&self.ep, self.id, self.seq).await?.ok_or_else(lost)
+        let mut outcome = Err(lost());
+        for _ in 0..FEED_TRANSMISSIONS {
+            let request = Request::Feed {
+                id: self.id,
+                seq: self.seq,
+                op: op.clone(),
+            };
+            self.ep
+                .send_to_raw(db, DB_REQUEST, Box::new(request))
+                .await
+                .map_err(|_| lost())?;
+            outcome = answer(&self.ep, self.id, self.seq).await;
+            if outcome.is_ok() {
+                break;
+            }
+        }
+        outcome?.ok_or_else(lost)
     }
 }
 

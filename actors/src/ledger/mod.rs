@@ -155,8 +155,12 @@ impl<S: Store> Ledger<S> {
             Some(client_id) => tx.lock_client(client_id).await.map_err(store_error)?,
             None => None,
         };
-        let bound = client.as_ref().is_some_and(|c| c.user_id == user_id);
-        if parsed.is_ok() && !bound {
+        let named = parsed
+            .as_ref()
+            .ok()
+            .and_then(protocol::wire::client_id_member)
+            .is_some();
+        if named && client.as_ref().is_none_or(|c| c.user_id != user_id) {
             // A client that never connected, or one bound to another user.
             return Err(ProtocolError::new(ErrorKind::AuthRequired));
         }

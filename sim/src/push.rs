@@ -1,0 +1,505 @@
+//! Push under faults: clients push sealed batches over a lossy link and
+//! retry the identical bytes until answered (lost requests, lost responses,
+//! commit-unknown results), sometimes send one batch twice at once, reuse
+//! completed mutations in new batches, and push atomic groups. The server
+//! (the real engine, materializer included) crashes mid-push, and the
+//! application writes the same rows directly on the database node. The
+//! `invariants::push` checker judges the answers and the captured version
+//! chains.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actors::capture::EffectOp;
+use actors::ledger::contract::WriteTarget;
+use actors::store::{MemStore, Store, StoreTx};
+use actors::testkit::{ConnectBody, note_mutation, push_config};
+use invariants::push::{DirectWrite, PushExchange, VersionChain};
+use madsim::net::{Endpoint, NetSim};
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use madsim::time::sleep;
+use protocol::ids::ScopeId;
+use protocol::json::{self, Object, Value};
+use protocol::position::{Boundary, StreamPosition};
+
+use crate::{decode_request, decode_response, encode_request, encode_response, now_micros, remote};
+
+const SERVER: &str = "10.0.0.1:7000";
+const REQUEST: u64 = 1;
+const RESPONSE: u64 = 2;
+const MAX_FRAME: usize = 1 << 20;
+/// The first body byte names the endpoint.
+const CONNECT: u8 = 0;
+const PUSH: u8 = 1;
+/// Notes per user that the user's clients write (a small pool, so they collide).
+const POOL: usize = 5;
+
+/// Knobs of one push run.
+#[derive(Clone, Debug)]
+pub struct PushScenario {
+    pub clients: usize,
+    pub users: usize,
+    pub batches_per_client: usize,
+    pub packet_loss: f64,
+    pub server_crashes: usize,
+}
+
+impl Default for PushScenario {
+    fn default() -> Self {
+        PushScenario {
+            clients: 4,
+            users: 2,
+            batches_per_client: 12,
+            packet_loss: 0.02,
+            server_crashes: 4,
+        }
+    }
+}
+
+/// What a push run recorded.
+#[derive(Clone, Debug, Default)]
+pub struct PushTrace {
+    pub exchanges: Vec<PushExchange>,
+    pub direct: Vec<DirectWrite>,
+    pub chains: Vec<VersionChain>,
+    pub crashes: usize,
+    /// Identical requests sent again after no answer came.
+    pub retries: usize,
+    /// Batches sent twice at once.
+    pub duplicates: usize,
+    /// Answers `503` (the database did not answer in time, or a crash).
+    pub unavailable: usize,
+    /// Problems the harness itself saw (unexpected statuses, pending fences).
+    pub problems: Vec<String>,
+}
+
+/// The server node: the real engine behind a datagram endpoint, connect and push.
+async fn server_main() {
+    let incarnation: u32 = thread_rng().r#gen();
+    let engine = remote::start_engine(remote::RemoteStore::new(u64::from(incarnation))).await;
+    let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
+    let mut buf = vec![0u8; MAX_FRAME];
+    loop {
+        let Ok((n, from)) = ep.recv_from(REQUEST, &mut buf).await else {
+            continue;
+        };
+        let Some((id, user, body)) = decode_request(&buf[..n]) else {
+            continue;
+        };
+        let (engine, ep) = (engine.clone(), ep.clone());
+        madsim::task::spawn(async move {
+            let Some((kind, body)) = body.split_first() else {
+                return;
+            };
+            let reply = match *kind {
+                CONNECT => engine.connect(&user, body.to_vec(), now_micros()).await,
+                _ => engine.push(&user, body.to_vec(), now_micros()).await,
+            };
+            let _ = ep
+                .send_to(
+                    from,
+                    RESPONSE,
+                    &encode_response(id, reply.status, &reply.body),
+                )
+                .await;
+        });
+    }
+}
+
+/// One client's link to the server.
+struct Link {
+    ep: Endpoint,
+    server: SocketAddr,
+    next_id: u64,
+    buf: Vec<u8>,
+}
+
+impl Link {
+    /// Sends `body` to endpoint `kind` (twice at once when `twice`) and
+    /// returns every answer that arrives: the first, and the duplicate's if
+    /// it comes soon after. Retries the identical bytes until answered.
+    async fn call(
+        &mut self,
+        user: &str,
+        kind: u8,
+        body: &[u8],
+        twice: bool,
+        trace: &Mutex<PushTrace>,
+    ) -> Vec<(u16, Vec<u8>)> {
+        let mut framed = vec![kind];
+        framed.extend_from_slice(body);
+        loop {
+            let ids: Vec<u64> = (0..if twice { 2 } else { 1 })
+                .map(|_| {
+                    self.next_id += 1;
+                    self.next_id
+                })
+                .collect();
+            for id in &ids {
+                let _ = self
+                    .ep
+                    .send_to(self.server, REQUEST, &encode_request(*id, user, &framed))
+                    .await;
+            }
+            let mut answers = Vec::new();
+            let deadline = sleep(Duration::from_millis(800));
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    _ = &mut deadline => break,
+                    got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
+                        let Ok((n, _)) = got else { continue };
+                        if let Some((id, status, b)) = decode_response(&self.buf[..n])
+                            && ids.contains(&id)
+                        {
+                            answers.push((status, b));
+                            if answers.len() == ids.len() {
+                                break;
+                            }
+                            // The duplicate's answer may follow: wait a little for it.
+                            deadline.as_mut().reset(madsim::time::Instant::now() + Duration::from_millis(300));
+                        }
+                    }
+                }
+            }
+            if !answers.is_empty() {
+                return answers;
+            }
+            trace.lock().expect("trace").retries += 1;
+        }
+    }
+}
+
+fn text<'v>(v: &'v Value, member: &str) -> Option<&'v str> {
+    v.as_object()?.get(member)?.as_str()
+}
+
+/// One client: connect, then sealed batches over its user's note pool.
+async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mutex<PushTrace>>) {
+    let mut link = Link {
+        ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
+        server: SERVER.parse().expect("address"),
+        next_id: (index as u64) << 40,
+        buf: vec![0u8; MAX_FRAME],
+    };
+    let client_id = format!("push-client-{index}");
+    let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
+    let (generation, schema) = loop {
+        let answers = link.call(&user, CONNECT, &connect, false, &trace).await;
+        let Some((200, body)) = answers.into_iter().find(|(s, _)| *s == 200) else {
+            sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let v = json::parse(&body).expect("json");
+        let o = v.as_object().expect("object");
+        let s = o["schema"].as_object().expect("schema");
+        break (
+            o["client_generation"].clone(),
+            json::object([
+                ("version", s["version"].clone()),
+                ("hash", s["hash"].clone()),
+            ]),
+        );
+    };
+    let mut known: BTreeMap<String, String> = BTreeMap::new();
+    let mut completed: Vec<Value> = Vec::new();
+    let mut next_mutation = (index as u64) << 32;
+    for b in 0..batches {
+        let mut rng = thread_rng();
+        let atomic = rng.gen_bool(0.2);
+        let n = rng.gen_range(1..=4);
+        let mut keys: Vec<usize> = (0..POOL).collect();
+        let mut mutations = Vec::new();
+        if !atomic && !completed.is_empty() && rng.gen_bool(0.15) {
+            // An unchanged completed mutation in a new batch.
+            mutations.push(completed[rng.gen_range(0..completed.len())].clone());
+        }
+        for _ in 0..n {
+            let k = keys.remove(rng.gen_range(0..keys.len()));
+            let note = format!("note-{user}-{k}");
+            next_mutation += 1;
+            let title = json::object([
+                ("fld_notes_title", Value::string(format!("{client_id} {b}"))),
+                ("fld_notes_pinned", Value::Bool(rng.gen_bool(0.5))),
+            ]);
+            let m = match known.get(&note) {
+                None => note_mutation(next_mutation, &note, &schema, "insert", None, Some(title)),
+                Some(v) => match rng.gen_range(0..10) {
+                    0..=5 => note_mutation(
+                        next_mutation,
+                        &note,
+                        &schema,
+                        "update",
+                        Some(v),
+                        Some(title),
+                    ),
+                    6 => note_mutation(
+                        next_mutation,
+                        &note,
+                        &schema,
+                        "update",
+                        Some("stale"),
+                        Some(title),
+                    ),
+                    7 => note_mutation(next_mutation, &note, &schema, "delete", Some(v), None),
+                    _ => note_mutation(next_mutation, &note, &schema, "insert", None, Some(title)),
+                },
+            };
+            mutations.push(m);
+        }
+        let mut body = Object::new();
+        body.insert("client_id".into(), Value::string(&client_id));
+        body.insert("client_generation".into(), generation.clone());
+        body.insert(
+            "batch_id".into(),
+            Value::string(format!(
+                "40000000-0000-4000-8000-{:012x}",
+                ((index as u64) << 24) + b as u64
+            )),
+        );
+        body.insert("schema".into(), schema.clone());
+        body.insert("mutations".into(), Value::Array(mutations.clone()));
+        if atomic {
+            body.insert("atomic".into(), Value::Bool(true));
+        }
+        let request = json::to_canonical(&Value::Object(body));
+        let twice = rng.gen_bool(0.2);
+        if twice {
+            trace.lock().expect("trace").duplicates += 1;
+        }
+        loop {
+            let answers = link.call(&user, PUSH, &request, twice, &trace).await;
+            let mut done = None;
+            for (status, response) in answers {
+                if status == 503 {
+                    trace.lock().expect("trace").unavailable += 1;
+                    continue;
+                }
+                let mut t = trace.lock().expect("trace");
+                t.exchanges.push(PushExchange {
+                    client_id: client_id.clone(),
+                    request: request.clone(),
+                    status,
+                    response: response.clone(),
+                });
+                if status != 200 {
+                    t.problems.push(format!(
+                        "{client_id} batch {b}: status {status}: {}",
+                        String::from_utf8_lossy(&response)
+                    ));
+                }
+                done = Some(response);
+            }
+            let Some(response) = done else {
+                // Retryable: the identical sealed batch again after a pause.
+                sleep(Duration::from_millis(200)).await;
+                continue;
+            };
+            let Ok(r) = json::parse(&response) else { break };
+            for list in ["accepted", "rejected"] {
+                let Some(Value::Array(outcomes)) = r.as_object().and_then(|o| o.get(list)) else {
+                    continue;
+                };
+                for o in outcomes {
+                    let note = o
+                        .as_object()
+                        .and_then(|o| o.get("pk"))
+                        .and_then(|pk| text(pk, "fld_notes_id"))
+                        .map(str::to_owned);
+                    if let (Some(note), Some(v)) = (note, text(o, "server_version")) {
+                        known.insert(note, v.to_owned());
+                    }
+                    if text(o, "code") != Some("atomic_batch_rejected")
+                        && let Some(m) = mutations
+                            .iter()
+                            .find(|m| text(m, "mutation_id") == text(o, "mutation_id"))
+                    {
+                        completed.push(m.clone());
+                    }
+                }
+            }
+            break;
+        }
+        sleep(Duration::from_millis(thread_rng().gen_range(10..150))).await;
+    }
+}
+
+/// The application on the database node: retitles notes of the pools directly.
+async fn direct_writer(
+    store: MemStore,
+    target: WriteTarget,
+    users: usize,
+    stop: Arc<AtomicBool>,
+    trace: Arc<Mutex<PushTrace>>,
+) {
+    let mut n = 0;
+    while !stop.load(Ordering::Relaxed) {
+        sleep(Duration::from_millis(thread_rng().gen_range(40..160))).await;
+        let user = format!("user-{}", thread_rng().gen_range(0..users));
+        let note = format!("note-{user}-{}", thread_rng().gen_range(0..POOL));
+        let mut tx = store.begin().await.expect("begin");
+        let key: actors::capture::SourceImage = [("id".to_owned(), Some(note.clone()))].into();
+        let Some(row) = tx.source_row("public.notes", &key) else {
+            continue;
+        };
+        if row.get("deleted_at").cloned().flatten().is_some() {
+            continue;
+        }
+        n += 1;
+        let changes = [
+            ("title".to_owned(), Some(format!("direct {n}"))),
+            (
+                "updated_at".to_owned(),
+                Some("2026-07-18 14:00:01+00".to_owned()),
+            ),
+        ]
+        .into();
+        tx.source_update("public.notes", &key, changes)
+            .expect("update");
+        let found = tx
+            .find_rows(&target, std::slice::from_ref(&note))
+            .await
+            .expect("find");
+        let version = found[0].version.clone().expect("a version").version;
+        tx.commit().await.expect("commit");
+        trace.lock().expect("trace").direct.push(DirectWrite {
+            table_id: "tbl_notes".into(),
+            key: note,
+            version,
+        });
+    }
+}
+
+/// Runs a push scenario under the current seed.
+pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
+    let handle = Handle::current();
+    let store = MemStore::with_seed(thread_rng().r#gen());
+    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
+    let database = remote::database_node(&handle, store.clone());
+    let _server = handle
+        .create_node()
+        .name("server")
+        .ip("10.0.0.1".parse().expect("ip"))
+        .init(server_main)
+        .build();
+    let trace = Arc::new(Mutex::new(PushTrace::default()));
+    let config = push_config();
+    let target = actors::ledger::write_targets(&config).remove(0);
+    store
+        .install_capture(&actors::capture::CapturePlan::new(&config))
+        .await
+        .map_err(|e| e.to_string())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = database.spawn(direct_writer(
+        store.clone(),
+        target,
+        scenario.users,
+        stop.clone(),
+        trace.clone(),
+    ));
+    let mut clients = Vec::new();
+    for i in 0..scenario.clients {
+        let user = format!("user-{}", i % scenario.users);
+        let node = handle
+            .create_node()
+            .name(format!("client-{i}"))
+            .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
+            .build();
+        clients.push(node.spawn(client_main(
+            i,
+            user,
+            scenario.batches_per_client,
+            trace.clone(),
+        )));
+    }
+    let crasher = {
+        let (handle, trace) = (handle.clone(), trace.clone());
+        let crashes = scenario.server_crashes;
+        madsim::task::spawn(async move {
+            for _ in 0..crashes {
+                sleep(Duration::from_millis(thread_rng().gen_range(200..1200))).await;
+                handle.kill("server");
+                sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
+                handle.restart("server");
+                trace.lock().expect("trace").crashes += 1;
+            }
+        })
+    };
+    for c in clients {
+        c.await.map_err(|e| format!("client failed: {e}"))?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.await.map_err(|e| format!("writer failed: {e}"))?;
+    crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+
+    // Capture catches up with everything committed; then no fence is pending.
+    let last = store.last_commit_lsn().await;
+    let mut caught_up = false;
+    for _ in 0..600 {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
+        drop(tx);
+        if let Some(q) = p.quarantine {
+            return Err(format!("capture blocked: {}", q.problem));
+        }
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= last) {
+            caught_up = true;
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    if !caught_up {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
+        return Err(format!(
+            "capture did not catch up within 60 simulated seconds: at {:?}, last commit {last}",
+            p.boundary
+        ));
+    }
+    let mut t = trace.lock().expect("trace").clone();
+    for i in 0..scenario.clients {
+        let pending = store.pending_fences(&format!("push-client-{i}")).await;
+        if !pending.is_empty() {
+            t.problems.push(format!(
+                "push-client-{i} has {} pending fences after capture",
+                pending.len()
+            ));
+        }
+    }
+    // Each note's version chain, from its owner's scope.
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    let through = tx
+        .capture_progress()
+        .await
+        .map_err(|e| e.to_string())?
+        .boundary;
+    let mut chains: BTreeMap<String, VersionChain> = BTreeMap::new();
+    for u in 0..scenario.users {
+        let scope = ScopeId::parse(&format!("user:user-{u}")).ok_or("scope")?;
+        for e in tx
+            .scope_effects(&scope, StreamPosition::GenerationStart, through)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            let (EffectOp::Upsert(r) | EffectOp::Delete(Some(r))) = &e.op else {
+                continue;
+            };
+            let key = e.key.as_str().ok_or("a string key")?.to_owned();
+            chains
+                .entry(key.clone())
+                .or_insert_with(|| VersionChain {
+                    table_id: e.table_id.clone(),
+                    key,
+                    versions: Vec::new(),
+                })
+                .versions
+                .push((r.version.as_str().to_owned(), r.row.as_bytes().to_vec()));
+        }
+    }
+    t.chains = chains.into_values().collect();
+    Ok(t)
+}
