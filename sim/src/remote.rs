@@ -59,6 +59,7 @@ enum Op {
     BeginWrites(Writer),
     FindRows(Box<WriteTarget>, Vec<String>),
     WriteRow(Box<WriteTarget>, String, RowWrite),
+    WriteRows(Box<WriteTarget>, Vec<(String, RowWrite)>),
     MarkGroup,
     CheckConstraints,
     UndoGroup,
@@ -80,6 +81,7 @@ enum Answer {
     Ledger(Result<LedgerEntries, StoreError>),
     Found(Result<Vec<FoundRow>, StoreError>),
     Written(Result<WriteResult, StoreError>),
+    WrittenAll(Result<Option<Vec<WriteResult>>, StoreError>),
     Refusal(Result<Option<Refusal>, StoreError>),
     Check(Result<Option<CaptureProblem>, StoreError>),
     /// A feed: opened (leader) or refused (standby).
@@ -372,6 +374,7 @@ async fn transaction(
             Op::BeginWrites(w) => (Answer::Unit(tx.begin_writes(&w).await), false),
             Op::FindRows(t, keys) => (Answer::Found(tx.find_rows(&t, &keys).await), false),
             Op::WriteRow(t, key, w) => (Answer::Written(tx.write_row(&t, &key, &w).await), false),
+            Op::WriteRows(t, w) => (Answer::WrittenAll(tx.write_rows(&t, &w).await), false),
             Op::MarkGroup => (Answer::Unit(tx.mark_group().await), false),
             Op::CheckConstraints => (Answer::Refusal(tx.check_constraints().await), false),
             Op::UndoGroup => (Answer::Unit(tx.undo_group().await), false),
@@ -843,6 +846,18 @@ impl StoreTx for RemoteTx {
         let op = Op::WriteRow(Box::new(target.clone()), key.to_owned(), write.clone());
         match self.call(op).await? {
             Answer::Written(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn write_rows(
+        &mut self,
+        target: &WriteTarget,
+        writes: &[(String, RowWrite)],
+    ) -> Result<Option<Vec<WriteResult>>, StoreError> {
+        let op = Op::WriteRows(Box::new(target.clone()), writes.to_vec());
+        match self.call(op).await? {
+            Answer::WrittenAll(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -393,6 +393,14 @@ impl StoreTx for PgTx {
         self.write(target, key, write).await
     }
 
+    async fn write_rows(
+        &mut self,
+        target: &WriteTarget,
+        writes: &[(String, RowWrite)],
+    ) -> Result<Option<Vec<WriteResult>>, StoreError> {
+        self.write_set(target, writes).await
+    }
+
     async fn mark_group(&mut self) -> Result<(), StoreError> {
         self.open_group().await
     }

@@ -221,6 +221,9 @@ impl PgTx {
             "SELECT fingerprint, status, body FROM synchro.push_batches \
              WHERE user_id = $1 AND client_id = $2 AND batch_id = $3::uuid",
         )
+        // Planned for each call: a cached generic plan would keep the scan
+        // chosen while the table was small.
+        .persistent(false)
         .bind(user_id)
         .bind(client_id)
         .bind(batch_id.to_string())
@@ -242,6 +245,9 @@ impl PgTx {
             "SELECT mutation_id::text, batch_id::text, fingerprint, outcome FROM synchro.push_mutations \
              WHERE user_id = $1 AND client_id = $2 AND mutation_id = ANY($3::text[]::uuid[])",
         )
+        // Planned for each call: a cached generic plan would keep the scan
+        // chosen while the table was small.
+        .persistent(false)
         .bind(user_id)
         .bind(client_id)
         .bind(&ids)
@@ -368,6 +374,7 @@ impl PgTx {
             quoted(&target.relation)
         );
         let rows = sqlx::query(&sql)
+            .persistent(false)
             .bind(&castable)
             .fetch_all(&mut *self.tx)
             .await
@@ -388,6 +395,9 @@ impl PgTx {
             "SELECT key, version, deleted FROM synchro.row_versions \
              WHERE table_id = $1 AND key = ANY($2)",
         )
+        // Planned for each call: a cached generic plan would keep the scan
+        // chosen while the table was small.
+        .persistent(false)
         .bind(&target.table_id)
         .bind(&castable)
         .fetch_all(&mut *self.tx)
@@ -537,6 +547,163 @@ impl PgTx {
             row: image,
             version,
         })
+    }
+
+    /// All the writes as one set: one statement per (operation, columns)
+    /// group, then one read of every row and version. Any refusal, or a
+    /// group that changed fewer rows than it names, undoes them all.
+    pub(crate) async fn write_set(
+        &mut self,
+        target: &WriteTarget,
+        writes: &[(String, RowWrite)],
+    ) -> Result<Option<Vec<WriteResult>>, StoreError> {
+        let rel = self.relation(target)?;
+        let pk = &target.primary_key;
+        let pk_type = self.type_of(&rel, pk)?.to_owned();
+        let relation = quoted(&target.relation);
+        // Groups in order of first appearance: (kind, columns) -> rows.
+        let mut groups: Vec<(u8, Vec<String>, Vec<usize>)> = Vec::new();
+        for (i, (_, w)) in writes.iter().enumerate() {
+            let (kind, columns) = match w {
+                RowWrite::Insert { values } => (0, values.iter().map(|(c, _)| c.clone()).collect()),
+                RowWrite::Update { values } => (1, values.iter().map(|(c, _)| c.clone()).collect()),
+                RowWrite::Delete => (2, Vec::new()),
+            };
+            match groups
+                .iter_mut()
+                .find(|(k, c, _)| *k == kind && *c == columns)
+            {
+                Some((_, _, rows)) => rows.push(i),
+                None => groups.push((kind, columns, vec![i])),
+            }
+        }
+        let open = if self.savepoint_open {
+            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
+        } else {
+            format!("SAVEPOINT {WRITE_SAVEPOINT}")
+        };
+        self.simple(open).await.map_err(db_error)?;
+        self.savepoint_open = true;
+        for (kind, columns, rows) in &groups {
+            // unnest's columns: the key, then each value column.
+            let mut inputs = vec!["$1::text[]".to_owned()];
+            let mut names = vec!["k".to_owned()];
+            let mut types = Vec::new();
+            for (j, c) in columns.iter().enumerate() {
+                inputs.push(format!("${}::text[]", j + 2));
+                names.push(format!("v{j}"));
+                types.push(self.type_of(&rel, c)?.to_owned());
+            }
+            let source = format!("unnest({}) AS u({})", inputs.join(", "), names.join(", "));
+            let sql = match kind {
+                0 => format!(
+                    "INSERT INTO {relation} (\"{pk}\"{}) SELECT u.k::{pk_type}{} FROM {source}",
+                    columns
+                        .iter()
+                        .map(|c| format!(", \"{c}\""))
+                        .collect::<String>(),
+                    types
+                        .iter()
+                        .enumerate()
+                        .map(|(j, t)| format!(", u.v{j}::{t}"))
+                        .collect::<String>()
+                ),
+                1 => format!(
+                    "UPDATE {relation} r SET {} FROM {source} WHERE r.\"{pk}\" = u.k::{pk_type}",
+                    columns
+                        .iter()
+                        .zip(&types)
+                        .enumerate()
+                        .map(|(j, (c, t))| format!("\"{c}\" = u.v{j}::{t}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                _ => format!(
+                    "DELETE FROM {relation} r USING {source} WHERE r.\"{pk}\" = u.k::{pk_type}"
+                ),
+            };
+            let keys: Vec<&str> = rows.iter().map(|i| writes[*i].0.as_str()).collect();
+            let mut q = sqlx::query(&sql).persistent(false).bind(keys);
+            for j in 0..columns.len() {
+                let values: Vec<Option<&str>> = rows
+                    .iter()
+                    .map(|i| match &writes[*i].1 {
+                        RowWrite::Insert { values } | RowWrite::Update { values } => {
+                            values[j].1.as_deref()
+                        }
+                        RowWrite::Delete => None,
+                    })
+                    .collect();
+                q = q.bind(values);
+            }
+            let all = match q.execute(&mut *self.tx).await {
+                Ok(done) => done.rows_affected() == rows.len() as u64,
+                Err(e) if refusal(&e, &rel.pk_constraint).is_some() => false,
+                Err(e) => {
+                    self.undo_write().await?;
+                    return Err(db_error(e));
+                }
+            };
+            if !all {
+                self.undo_write().await?;
+                return Ok(None);
+            }
+        }
+        // Every row as the writer now sees it, with the version its write created.
+        let mut columns = Vec::new();
+        for c in &target.columns {
+            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+        }
+        let canonical: Vec<String> = writes
+            .iter()
+            .map(|(k, _)| canonical_key(&pk_type, k))
+            .collect::<Option<_>>()
+            .ok_or_else(|| StoreError::Integrity("a written key cannot be read back".into()))?;
+        let sql = format!(
+            "SELECT q.k, v.version, r.\"{pk}\" IS NOT NULL, {} FROM unnest($1::text[]) AS q(k) \
+             JOIN synchro.row_versions v ON v.table_id = $2 AND v.key = q.k \
+             LEFT JOIN {relation} r ON r.\"{pk}\" = q.k::{pk_type}",
+            columns.join(", ")
+        );
+        let found = sqlx::query(&sql)
+            .persistent(false)
+            .bind(&canonical)
+            .bind(&target.table_id)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        let mut by_key = BTreeMap::new();
+        for r in found {
+            let key: String = r.try_get(0).map_err(db_error)?;
+            let version: String = r.try_get(1).map_err(db_error)?;
+            let exists: bool = r.try_get(2).map_err(db_error)?;
+            let mut image = BTreeMap::new();
+            for (i, c) in target.columns.iter().enumerate() {
+                image.insert(
+                    c.clone(),
+                    r.try_get::<Option<String>, _>(i + 3).map_err(db_error)?,
+                );
+            }
+            by_key.insert(key, (version, exists.then_some(image)));
+        }
+        let mut results = Vec::with_capacity(writes.len());
+        for ((_, w), key) in writes.iter().zip(&canonical) {
+            let Some((version, image)) = by_key.remove(key) else {
+                return Err(StoreError::Integrity("a written row has no version".into()));
+            };
+            let deleting = matches!(w, RowWrite::Delete);
+            if image.is_none() != deleting {
+                // Not visible to its writer after the write (row security), or
+                // a delete that left the row: the per-row path decides.
+                self.undo_write().await?;
+                return Ok(None);
+            }
+            results.push(WriteResult::Written {
+                row: image,
+                version,
+            });
+        }
+        Ok(Some(results))
     }
 
     async fn undo_write(&mut self) -> Result<(), StoreError> {

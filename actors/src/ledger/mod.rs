@@ -337,16 +337,25 @@ impl<S: Store> Ledger<S> {
         }
         let mut rows = self.find(tx, planned.iter().map(|(_, p)| p)).await?;
         let mut failure = None;
-        for (i, p) in &planned {
-            let m = &req.mutations[*i];
-            let outcome = self
-                .apply(tx, &mut rows, m, p, head(m), writer, server_time)
-                .await?;
-            let ok = outcome.is_accepted();
-            outcomes[*i] = Some(outcome);
-            if req.atomic && !ok {
-                failure = Some(*i);
-                break;
+        if let Some(done) = self
+            .write_together(tx, req, &planned, &rows, writer, server_time)
+            .await?
+        {
+            for (i, o) in done {
+                outcomes[i] = Some(o);
+            }
+        } else {
+            for (i, p) in &planned {
+                let m = &req.mutations[*i];
+                let outcome = self
+                    .apply(tx, &mut rows, m, p, head(m), writer, server_time)
+                    .await?;
+                let ok = outcome.is_accepted();
+                outcomes[*i] = Some(outcome);
+                if req.atomic && !ok {
+                    failure = Some(*i);
+                    break;
+                }
             }
         }
         if req.atomic {
@@ -398,6 +407,85 @@ impl<S: Store> Ledger<S> {
                 _ => Err(integrity("a mutation has no single outcome")),
             })
             .collect()
+    }
+
+    /// The fast path: when every planned mutation targets one table, names
+    /// a distinct row, and (atomic or not) the row states decide their
+    /// outcomes up front, all the writes go to the store as one set. The
+    /// store applies all of them or none; on none, the caller takes the
+    /// per-mutation path, which finds the exact failure. Writes of distinct
+    /// rows do not depend on each other, so grouping them changes no outcome.
+    async fn write_together(
+        &self,
+        tx: &mut S::Tx,
+        req: &PushRequest,
+        planned: &[(usize, Planned)],
+        rows: &BTreeMap<(String, String), FoundRow>,
+        writer: &Writer,
+        server_time: &str,
+    ) -> Result<Option<Vec<(usize, Outcome)>>, ProtocolError> {
+        let Some((_, first)) = planned.first() else {
+            return Ok(None);
+        };
+        let mut keys = std::collections::BTreeSet::new();
+        let distinct = planned
+            .iter()
+            .all(|(_, p)| p.table_id == first.table_id && keys.insert(p.key.as_str()));
+        if !distinct || planned.len() < FAST_PATH_MIN {
+            return Ok(None);
+        }
+        let t = self.table(&first.table_id)?;
+        let head = |m: &Mutation| OutcomeHead {
+            mutation_id: m.mutation_id,
+            table: m.table.clone(),
+            pk: m.pk.clone(),
+            outcome_schema: self.current.reference(),
+        };
+        let mut decided = Vec::new();
+        let mut writes = Vec::new();
+        for (i, p) in planned {
+            let m = &req.mutations[*i];
+            let (outcome, write) = self.evaluate_row(m, p, lookup(rows, p)?, head(m), writer)?;
+            if write {
+                writes.push((*i, p, self.row_write(t, m, p, writer, server_time)));
+            } else if req.atomic {
+                return Ok(None); // the group fails: the per-mutation path says where
+            } else {
+                decided.push((*i, outcome));
+            }
+        }
+        if writes.is_empty() {
+            return Ok(Some(decided));
+        }
+        let batch: Vec<(String, RowWrite)> = writes
+            .iter()
+            .map(|(_, p, w)| (p.key.clone(), w.clone()))
+            .collect();
+        let Some(results) = tx
+            .write_rows(&t.target, &batch)
+            .await
+            .map_err(store_error)?
+        else {
+            return Ok(None);
+        };
+        if results.len() != writes.len() {
+            return Err(integrity("a set write answered another number of rows"));
+        }
+        for ((i, p, w), result) in writes.into_iter().zip(results) {
+            let WriteResult::Written { row, version } = result else {
+                return Err(integrity("a set write reported a row it did not write"));
+            };
+            let found = FoundRow {
+                key: p.key.clone(),
+                visible: row,
+                version: Some(contract::VersionRecord {
+                    deleted: matches!(w, RowWrite::Delete),
+                    version,
+                }),
+            };
+            decided.push((i, self.applied(head(&req.mutations[i]), p, &found)?));
+        }
+        Ok(Some(decided))
     }
 
     /// Locks and reads the rows of these plans, table by table.
@@ -687,6 +775,9 @@ impl<S: Store> Ledger<S> {
         Outcome::Rejected { head, code }
     }
 }
+
+/// Batches with fewer planned writes take the per-mutation path directly.
+const FAST_PATH_MIN: usize = 2;
 
 /// The terminal code of a refused write.
 fn terminal(r: Refusal) -> TerminalCode {

@@ -215,6 +215,15 @@ pub trait StoreTx: Send {
         write: &RowWrite,
     ) -> impl Future<Output = Result<WriteResult, StoreError>> + Send;
 
+    /// Source writes to distinct rows of one table, all or none: `Some`
+    /// with one `Written` per write in order, or `None` when any write was
+    /// refused or changed no row (then none of them has any effect).
+    fn write_rows(
+        &mut self,
+        target: &WriteTarget,
+        writes: &[(String, RowWrite)],
+    ) -> impl Future<Output = Result<Option<Vec<WriteResult>>, StoreError>> + Send;
+
     /// Marks the start of an atomic group of writes.
     fn mark_group(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
 

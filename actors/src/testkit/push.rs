@@ -98,8 +98,20 @@ impl PushClient {
 
     /// Pushes `body` authenticated as `user`.
     pub async fn push_as(&self, user: &str, body: &Value) -> (u16, Value, Vec<u8>) {
-        let r = self.engine.push(user, json::to_canonical(body), NOW).await;
+        let t0 = std::time::Instant::now();
+        let bytes = json::to_canonical(body);
+        let t1 = std::time::Instant::now();
+        let r = self.engine.push(user, bytes, NOW).await;
+        let t2 = std::time::Instant::now();
         let v = json::parse(&r.body).unwrap();
+        if std::env::var("PUSH_TIMING").is_ok() {
+            eprintln!(
+                "TIMING client canon {:?} engine {:?} parse {:?}",
+                t1 - t0,
+                t2 - t1,
+                t2.elapsed()
+            );
+        }
         (r.status, v, r.body)
     }
 }

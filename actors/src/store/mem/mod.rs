@@ -365,6 +365,24 @@ impl StoreTx for MemTx {
         MemTx::write_row(self, target, key, write)
     }
 
+    async fn write_rows(
+        &mut self,
+        target: &WriteTarget,
+        writes: &[(String, RowWrite)],
+    ) -> Result<Option<Vec<WriteResult>>, StoreError> {
+        let before = self.work.clone();
+        let mut results = Vec::with_capacity(writes.len());
+        for (key, write) in writes {
+            let r = MemTx::write_row(self, target, key, write)?;
+            if !matches!(r, WriteResult::Written { .. }) {
+                self.work = before;
+                return Ok(None);
+            }
+            results.push(r);
+        }
+        Ok(Some(results))
+    }
+
     async fn mark_group(&mut self) -> Result<(), StoreError> {
         self.group = Some(Box::new(self.work.clone()));
         Ok(())
