@@ -305,6 +305,60 @@ async fn http_against_postgres() {
     let (status, _, b) = request(addr, "POST", "/sync/connect", &headers, big).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
 
+    // Push over HTTP: the stored canonical bytes come back unchanged, and a
+    // replay gets the same bytes.
+    let connect: Value = json::parse(
+        &request(addr, "POST", "/sync/connect", &headers, body.clone())
+            .await
+            .2,
+    )
+    .unwrap();
+    let o = connect.as_object().unwrap();
+    let schema = o["schema"].as_object().unwrap();
+    let push_body = json::to_canonical(&json::object([
+        ("client_id", Value::string("client-9b2e")),
+        ("client_generation", o["client_generation"].clone()),
+        (
+            "batch_id",
+            Value::string("10000000-0000-4000-8000-0000000000aa"),
+        ),
+        (
+            "schema",
+            json::object([
+                ("version", schema["version"].clone()),
+                ("hash", schema["hash"].clone()),
+            ]),
+        ),
+        (
+            "mutations",
+            Value::Array(vec![actors::testkit::note_mutation(
+                1,
+                &actors::testkit::note_id(1),
+                &json::object([
+                    ("version", schema["version"].clone()),
+                    ("hash", schema["hash"].clone()),
+                ]),
+                "insert",
+                None,
+                Some(actors::testkit::note_columns("over http")),
+            )]),
+        ),
+    ]));
+    let (status, h_push, first) =
+        request(addr, "POST", "/sync/push", &headers, push_body.clone()).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&first));
+    assert_eq!(h_push.get("content-type").unwrap(), "application/json");
+    assert!(actors::testkit::outcome(&json::parse(&first).unwrap(), 1).0);
+    let (status, _, again) = request(addr, "POST", "/sync/push", &headers, push_body).await;
+    assert_eq!((status, again), (200, first));
+    let mut big_push = b"{\"client_id\":\"client-9b2e\",\"pad\":\"".to_vec();
+    big_push.extend(std::iter::repeat_n(b'x', 1_048_577));
+    let (status, _, b) = request(addr, "POST", "/sync/push", &headers, big_push).await;
+    assert_eq!(
+        (status, error_code(&b).0.as_str()),
+        (400, "invalid_request")
+    );
+
     // Operator routes. Readiness also needs capture running (it starts
     // with the engine), so it may take a moment to turn true.
     let mut ready = request(addr, "GET", "/ready", &[], vec![]).await;
@@ -354,6 +408,7 @@ async fn http_against_postgres() {
     // Logs: request lines, and nothing sensitive.
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     assert!(text.contains("path=/sync/connect status=200"), "{text}");
+    assert!(text.contains("path=/sync/push status=200"), "{text}");
     for secret in [
         token.as_str(),
         "user-7f3a",
@@ -361,6 +416,8 @@ async fn http_against_postgres() {
         "alice",
         "ios-device",
         "opaque-cursor",
+        "over http",
+        "30000000-0000-4000-8000-000000000001",
     ] {
         assert!(!text.contains(secret), "the logs contain `{secret}`");
     }
