@@ -86,7 +86,10 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
     loop {
         match sqlx::raw_sql(&script).execute(pool).await {
             Ok(_) => break,
-            Err(_) if attempt < 5 => attempt += 1,
+            Err(_) if attempt < 5 => {
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
             Err(e) => return Err(install_error("granting synchro_writer the tables", e)),
         }
     }
@@ -729,6 +732,7 @@ impl PgTx {
         match self.simple("SET CONSTRAINTS ALL IMMEDIATE".into()).await {
             Ok(()) => Ok(None),
             // The group savepoint is still there: the caller undoes the group.
+            // No primary key can fail here (they are not deferrable), hence "".
             Err(e) => match refusal(&e, "") {
                 Some(Refusal::DuplicateKey) | None => Err(db_error(e)),
                 Some(r) => Ok(Some(r)),

@@ -11,7 +11,7 @@ use protocol::manifest::TableManifest;
 use protocol::value::{self, PortableType};
 use protocol::wire::push::{ConflictCode, Mutation, Operation};
 
-use super::contract::{FoundRow, RowWrite};
+use super::contract::FoundRow;
 use crate::capture::source_text;
 use crate::registry::SchemaHistory;
 
@@ -173,13 +173,13 @@ pub enum RowState {
 /// What the row state decides for a mutation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    Write(RowWrite),
+    Write,
     Conflict(ConflictCode),
     PolicyRejected,
 }
 
 /// The row-state rules and the conflict matrix.
-pub fn decide(op: &Operation, state: &RowState, write: RowWrite) -> Decision {
+pub fn decide(op: &Operation, state: &RowState) -> Decision {
     match (state, op) {
         (RowState::Hidden, _) => Decision::PolicyRejected,
         (RowState::FenceOnly(_), _)
@@ -189,7 +189,7 @@ pub fn decide(op: &Operation, state: &RowState, write: RowWrite) -> Decision {
             },
             _,
         ) => Decision::Conflict(ConflictCode::RowDeleted),
-        (RowState::Absent, Operation::Insert { .. }) => Decision::Write(write),
+        (RowState::Absent, Operation::Insert { .. }) => Decision::Write,
         (RowState::Absent, _) => Decision::Conflict(ConflictCode::RowNotFound),
         (RowState::Visible { .. }, Operation::Insert { .. }) => {
             Decision::Conflict(ConflictCode::RowAlreadyExists)
@@ -198,7 +198,7 @@ pub fn decide(op: &Operation, state: &RowState, write: RowWrite) -> Decision {
         | (RowState::Visible { version, .. }, Operation::Delete { base_version }) => {
             // Byte-for-byte equality, under the row lock the store holds.
             if base_version.as_str().as_bytes() == version.as_str().as_bytes() {
-                Decision::Write(write)
+                Decision::Write
             } else {
                 Decision::Conflict(ConflictCode::VersionConflict)
             }
@@ -259,8 +259,7 @@ mod tests {
             tombstone: true,
         };
         let fence = RowState::FenceOnly(v("cur"));
-        let w = || RowWrite::Delete;
-        let write = Decision::Write(RowWrite::Delete);
+        let write = Decision::Write;
         let c = Decision::Conflict;
         use ConflictCode::*;
         let cases = [
@@ -283,7 +282,7 @@ mod tests {
             (RowState::Hidden, delete("cur"), Decision::PolicyRejected),
         ];
         for (state, op, want) in cases {
-            assert_eq!(decide(&op, &state, w()), want, "{state:?} {}", op.name());
+            assert_eq!(decide(&op, &state), want, "{state:?} {}", op.name());
         }
     }
 

@@ -75,6 +75,14 @@ pub fn write_targets(config: &SyncConfig) -> Vec<WriteTarget> {
         .collect()
 }
 
+/// What the locked row state says a mutation does.
+enum Verdict {
+    /// The matrix allows the write.
+    Write,
+    /// The outcome is decided without writing.
+    Done(Outcome),
+}
+
 /// One mutation's place in a first execution.
 enum Slot {
     /// Completed in an earlier batch: its stored outcome, byte for byte.
@@ -391,7 +399,9 @@ impl<S: Store> Ledger<S> {
                     // The committed state after the rollback, as the writer sees it.
                     let found = self.find(tx, std::iter::once(p)).await?;
                     let f = lookup(&found, p)?;
-                    outcome = Some(self.evaluate_row(m, p, f, head(m), writer)?.0);
+                    if let Verdict::Done(o) = self.evaluate_row(m, p, f, head(m), writer)? {
+                        outcome = Some(o);
+                    }
                 }
                 tx.end_writes().await.map_err(store_error)?;
                 return Ok(atomic_rejection(req, i, outcome, &head));
@@ -445,13 +455,13 @@ impl<S: Store> Ledger<S> {
         let mut writes = Vec::new();
         for (i, p) in planned {
             let m = &req.mutations[*i];
-            let (outcome, write) = self.evaluate_row(m, p, lookup(rows, p)?, head(m), writer)?;
-            if write {
-                writes.push((*i, p, self.row_write(t, m, p, writer, server_time)));
-            } else if req.atomic {
-                return Ok(None); // the group fails: the per-mutation path says where
-            } else {
-                decided.push((*i, outcome));
+            match self.evaluate_row(m, p, lookup(rows, p)?, head(m), writer)? {
+                Verdict::Write => {
+                    writes.push((*i, p, self.row_write(t, m, p, writer, server_time)))
+                }
+                // The group fails: the per-mutation path says where.
+                Verdict::Done(_) if req.atomic => return Ok(None),
+                Verdict::Done(outcome) => decided.push((*i, outcome)),
             }
         }
         if writes.is_empty() {
@@ -533,8 +543,7 @@ impl<S: Store> Ledger<S> {
     ) -> Result<Outcome, ProtocolError> {
         let t = self.table(&p.table_id)?;
         let found = lookup(rows, p)?;
-        let (outcome, write) = self.evaluate_row(m, p, found, head.clone(), writer)?;
-        if !write {
+        if let Verdict::Done(outcome) = self.evaluate_row(m, p, found, head.clone(), writer)? {
             return Ok(outcome);
         }
         let row_write = self.row_write(t, m, p, writer, server_time);
@@ -566,20 +575,19 @@ impl<S: Store> Ledger<S> {
                 // Another writer committed this key meanwhile: judge it as it stands now.
                 let found = self.find(tx, std::iter::once(p)).await?;
                 let f = lookup(&found, p)?;
-                let (outcome, write) = self.evaluate_row(m, p, f, head.clone(), writer)?;
+                let verdict = self.evaluate_row(m, p, f, head.clone(), writer)?;
                 rows.insert(row_key, f.clone());
-                Ok(if write {
+                Ok(match verdict {
+                    Verdict::Done(outcome) => outcome,
                     // The key is taken by a row the writer cannot see.
-                    rejected(TerminalCode::PolicyRejected)
-                } else {
-                    outcome
+                    Verdict::Write => rejected(TerminalCode::PolicyRejected),
                 })
             }
             WriteResult::Refused(r) => Ok(rejected(terminal(r))),
         }
     }
 
-    /// The outcome the row state decides; `true` when the mutation should write instead.
+    /// What the row state decides for a mutation.
     fn evaluate_row(
         &self,
         m: &Mutation,
@@ -587,7 +595,7 @@ impl<S: Store> Ledger<S> {
         found: &FoundRow,
         head: OutcomeHead,
         writer: &Writer,
-    ) -> Result<(Outcome, bool), ProtocolError> {
+    ) -> Result<Verdict, ProtocolError> {
         let t = self.table(&p.table_id)?;
         let wire = self.wire(t, found)?;
         let tombstone = wire.as_ref().is_some_and(|(w, _)| t.model.is_tombstone(w));
@@ -604,22 +612,12 @@ impl<S: Store> Ledger<S> {
             StateError::Unversioned => integrity("a registered row has no version"),
             StateError::BadVersion => integrity("a stored version is malformed"),
         })?;
-        let decision = evaluate::decide(&m.op, &state, RowWrite::Delete);
-        Ok(match decision {
-            Decision::Write(_) => (
-                Outcome::Rejected {
-                    head,
-                    code: TerminalCode::PolicyRejected,
-                },
-                true,
-            ),
-            Decision::PolicyRejected => (
-                Outcome::Rejected {
-                    head,
-                    code: TerminalCode::PolicyRejected,
-                },
-                false,
-            ),
+        Ok(match evaluate::decide(&m.op, &state) {
+            Decision::Write => Verdict::Write,
+            Decision::PolicyRejected => Verdict::Done(Outcome::Rejected {
+                head,
+                code: TerminalCode::PolicyRejected,
+            }),
             Decision::Conflict(code) => {
                 let conflict_state = match (&state, wire) {
                     (RowState::Visible { version, .. }, Some((_, image))) => ConflictState::Row {
@@ -632,14 +630,11 @@ impl<S: Store> Ledger<S> {
                     (RowState::Absent, _) => ConflictState::Absent,
                     _ => return Err(integrity("a conflict without its row state")),
                 };
-                (
-                    Outcome::Conflict {
-                        head,
-                        code,
-                        state: conflict_state,
-                    },
-                    false,
-                )
+                Verdict::Done(Outcome::Conflict {
+                    head,
+                    code,
+                    state: conflict_state,
+                })
             }
         })
     }
