@@ -80,7 +80,7 @@ enum Verdict {
     /// The matrix allows the write.
     Write,
     /// The outcome is decided without writing.
-    Done(Outcome),
+    Done(Box<Outcome>),
 }
 
 /// One mutation's place in a first execution.
@@ -400,7 +400,7 @@ impl<S: Store> Ledger<S> {
                     let found = self.find(tx, std::iter::once(p)).await?;
                     let f = lookup(&found, p)?;
                     if let Verdict::Done(o) = self.evaluate_row(m, p, f, head(m), writer)? {
-                        outcome = Some(o);
+                        outcome = Some(*o);
                     }
                 }
                 tx.end_writes().await.map_err(store_error)?;
@@ -461,7 +461,7 @@ impl<S: Store> Ledger<S> {
                 }
                 // The group fails: the per-mutation path says where.
                 Verdict::Done(_) if req.atomic => return Ok(None),
-                Verdict::Done(outcome) => decided.push((*i, outcome)),
+                Verdict::Done(outcome) => decided.push((*i, *outcome)),
             }
         }
         if writes.is_empty() {
@@ -544,7 +544,7 @@ impl<S: Store> Ledger<S> {
         let t = self.table(&p.table_id)?;
         let found = lookup(rows, p)?;
         if let Verdict::Done(outcome) = self.evaluate_row(m, p, found, head.clone(), writer)? {
-            return Ok(outcome);
+            return Ok(*outcome);
         }
         let row_write = self.row_write(t, m, p, writer, server_time);
         let result = tx
@@ -578,7 +578,7 @@ impl<S: Store> Ledger<S> {
                 let verdict = self.evaluate_row(m, p, f, head.clone(), writer)?;
                 rows.insert(row_key, f.clone());
                 Ok(match verdict {
-                    Verdict::Done(outcome) => outcome,
+                    Verdict::Done(outcome) => *outcome,
                     // The key is taken by a row the writer cannot see.
                     Verdict::Write => rejected(TerminalCode::PolicyRejected),
                 })
@@ -614,10 +614,10 @@ impl<S: Store> Ledger<S> {
         })?;
         Ok(match evaluate::decide(&m.op, &state) {
             Decision::Write => Verdict::Write,
-            Decision::PolicyRejected => Verdict::Done(Outcome::Rejected {
+            Decision::PolicyRejected => Verdict::Done(Box::new(Outcome::Rejected {
                 head,
                 code: TerminalCode::PolicyRejected,
-            }),
+            })),
             Decision::Conflict(code) => {
                 let conflict_state = match (&state, wire) {
                     (RowState::Visible { version, .. }, Some((_, image))) => ConflictState::Row {
@@ -630,11 +630,11 @@ impl<S: Store> Ledger<S> {
                     (RowState::Absent, _) => ConflictState::Absent,
                     _ => return Err(integrity("a conflict without its row state")),
                 };
-                Verdict::Done(Outcome::Conflict {
+                Verdict::Done(Box::new(Outcome::Conflict {
                     head,
                     code,
                     state: conflict_state,
-                })
+                }))
             }
         })
     }
