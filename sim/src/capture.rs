@@ -266,6 +266,25 @@ fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedE
     })
 }
 
+/// Waits until capture has materialized every commit through `last`.
+pub async fn catch_up(store: &MemStore, last: actors::capture::Lsn) -> Result<(), String> {
+    for _ in 0..600 {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
+        drop(tx);
+        if let Some(q) = p.quarantine {
+            return Err(format!("capture blocked: {}", q.problem));
+        }
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= last) {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!(
+        "capture did not catch up to {last} within 60 simulated seconds"
+    ))
+}
+
 /// Runs a capture scenario under the current seed.
 pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, String> {
     let handle = Handle::current();
@@ -325,23 +344,7 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
 
     // Let capture catch up with everything committed.
     let last = trace.history.last().map_or(0, |c| c.commit_lsn);
-    let mut caught_up = false;
-    for _ in 0..600 {
-        let mut tx = store.begin().await.unwrap();
-        let p = tx.capture_progress().await.unwrap();
-        drop(tx);
-        if let Some(q) = p.quarantine {
-            return Err(format!("capture blocked: {}", q.problem));
-        }
-        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= last) {
-            caught_up = true;
-            break;
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
-    if !caught_up {
-        return Err("capture did not catch up within 60 simulated seconds".into());
-    }
+    catch_up(&store, last).await?;
     trace.redeliveries = store
         .feed_deliveries()
         .await

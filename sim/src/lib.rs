@@ -24,11 +24,11 @@ use madsim::runtime::Handle;
 use madsim::time::{TimeHandle, sleep};
 use protocol::json::{self, Value};
 
-const SERVER: &str = "10.0.0.1:7000";
-const REQUEST: u64 = 1;
-const RESPONSE: u64 = 2;
+pub(crate) const SERVER: &str = "10.0.0.1:7000";
+pub(crate) const REQUEST: u64 = 1;
+pub(crate) const RESPONSE: u64 = 2;
 /// Largest datagram either side accepts.
-const MAX_FRAME: usize = 1 << 20;
+pub(crate) const MAX_FRAME: usize = 1 << 20;
 
 /// Knobs of one simulated run.
 #[derive(Clone, Debug)]
@@ -103,8 +103,12 @@ pub(crate) fn now_micros() -> i64 {
 }
 
 /// The server node's program: the real engine, on the database node's store,
-/// behind a datagram endpoint.
-async fn server_main() {
+/// behind a datagram endpoint; `route` answers each request.
+pub(crate) async fn serve_engine<F, Fut>(route: F)
+where
+    F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
+{
     let incarnation: u32 = thread_rng().r#gen();
     let engine = remote::start_engine(remote::RemoteStore::new(incarnation as u64)).await;
     let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
@@ -116,9 +120,9 @@ async fn server_main() {
         let Some((id, user, body)) = decode_request(&buf[..n]) else {
             continue;
         };
-        let (engine, ep) = (engine.clone(), ep.clone());
+        let (engine, ep, route) = (engine.clone(), ep.clone(), route.clone());
         madsim::task::spawn(async move {
-            let reply = engine.connect(&user, body, now_micros()).await;
+            let reply = route(engine, user, body).await;
             let _ = ep
                 .send_to(
                     from,
@@ -128,6 +132,14 @@ async fn server_main() {
                 .await;
         });
     }
+}
+
+/// The connect server.
+async fn server_main() {
+    serve_engine(
+        |engine, user, body| async move { engine.connect(&user, body, now_micros()).await },
+    )
+    .await;
 }
 
 /// Applies a 200 connect response to the client's next request.

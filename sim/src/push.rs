@@ -24,14 +24,12 @@ use madsim::runtime::Handle;
 use madsim::time::sleep;
 use protocol::ids::ScopeId;
 use protocol::json::{self, Object, Value};
-use protocol::position::{Boundary, StreamPosition};
+use protocol::position::StreamPosition;
 
-use crate::{decode_request, decode_response, encode_request, encode_response, now_micros, remote};
+use crate::{
+    MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros, remote,
+};
 
-const SERVER: &str = "10.0.0.1:7000";
-const REQUEST: u64 = 1;
-const RESPONSE: u64 = 2;
-const MAX_FRAME: usize = 1 << 20;
 /// The first body byte names the endpoint.
 const CONNECT: u8 = 0;
 const PUSH: u8 = 1;
@@ -77,37 +75,16 @@ pub struct PushTrace {
     pub problems: Vec<String>,
 }
 
-/// The server node: the real engine behind a datagram endpoint, connect and push.
+/// The server node: the real engine; the first body byte names the endpoint.
 async fn server_main() {
-    let incarnation: u32 = thread_rng().r#gen();
-    let engine = remote::start_engine(remote::RemoteStore::new(u64::from(incarnation))).await;
-    let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
-    let mut buf = vec![0u8; MAX_FRAME];
-    loop {
-        let Ok((n, from)) = ep.recv_from(REQUEST, &mut buf).await else {
-            continue;
-        };
-        let Some((id, user, body)) = decode_request(&buf[..n]) else {
-            continue;
-        };
-        let (engine, ep) = (engine.clone(), ep.clone());
-        madsim::task::spawn(async move {
-            let Some((kind, body)) = body.split_first() else {
-                return;
-            };
-            let reply = match *kind {
-                CONNECT => engine.connect(&user, body.to_vec(), now_micros()).await,
-                _ => engine.push(&user, body.to_vec(), now_micros()).await,
-            };
-            let _ = ep
-                .send_to(
-                    from,
-                    RESPONSE,
-                    &encode_response(id, reply.status, &reply.body),
-                )
-                .await;
-        });
-    }
+    crate::serve_engine(|engine, user, body| async move {
+        match body.split_first() {
+            Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
+            Some((_, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
+            None => engine.push(&user, Vec::new(), now_micros()).await,
+        }
+    })
+    .await;
 }
 
 /// One client's link to the server.
@@ -437,29 +414,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
 
     // Capture catches up with everything committed; then no fence is pending.
-    let last = store.last_commit_lsn().await;
-    let mut caught_up = false;
-    for _ in 0..600 {
-        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
-        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
-        drop(tx);
-        if let Some(q) = p.quarantine {
-            return Err(format!("capture blocked: {}", q.problem));
-        }
-        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= last) {
-            caught_up = true;
-            break;
-        }
-        sleep(Duration::from_millis(100)).await;
-    }
-    if !caught_up {
-        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
-        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
-        return Err(format!(
-            "capture did not catch up within 60 simulated seconds: at {:?}, last commit {last}",
-            p.boundary
-        ));
-    }
+    crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     let mut t = trace.lock().expect("trace").clone();
     for i in 0..scenario.clients {
         let pending = store.pending_fences(&format!("push-client-{i}")).await;

@@ -477,13 +477,7 @@ impl PgTx {
                 &[][..],
             ),
         };
-        let open = if self.savepoint_open {
-            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
-        } else {
-            format!("SAVEPOINT {WRITE_SAVEPOINT}")
-        };
-        self.simple(open).await.map_err(db_error)?;
-        self.savepoint_open = true;
+        self.open_write().await?;
         let mut q = sqlx::query(&sql).bind(key);
         for (_, v) in values {
             q = q.bind(v.as_deref());
@@ -580,13 +574,7 @@ impl PgTx {
                 None => groups.push((kind, columns, vec![i])),
             }
         }
-        let open = if self.savepoint_open {
-            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
-        } else {
-            format!("SAVEPOINT {WRITE_SAVEPOINT}")
-        };
-        self.simple(open).await.map_err(db_error)?;
-        self.savepoint_open = true;
+        self.open_write().await?;
         for (kind, columns, rows) in &groups {
             // unnest's columns: the key, then each value column.
             let mut inputs = vec!["$1::text[]".to_owned()];
@@ -707,6 +695,19 @@ impl PgTx {
             });
         }
         Ok(Some(results))
+    }
+
+    /// Opens the savepoint of the next write, releasing the last one's in
+    /// the same round trip.
+    async fn open_write(&mut self) -> Result<(), StoreError> {
+        let open = if self.savepoint_open {
+            format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
+        } else {
+            format!("SAVEPOINT {WRITE_SAVEPOINT}")
+        };
+        self.simple(open).await.map_err(db_error)?;
+        self.savepoint_open = true;
+        Ok(())
     }
 
     async fn undo_write(&mut self) -> Result<(), StoreError> {
