@@ -333,11 +333,11 @@ impl<S: Store> Ledger<S> {
                 Slot::Planned(p) => planned.push((i, p)),
             }
         }
-        if req.atomic
-            && let Some(i) = failed_early
-        {
-            // Nothing of the group is written: the first failure stands alone.
-            return Ok(atomic_rejection(req, i, outcomes[i].take(), &head));
+        // An atomic group stops at its first failure in request order: an
+        // early one, unless a mutation before it fails on its row first.
+        let atomic_early = failed_early.filter(|_| req.atomic);
+        if atomic_early.is_some() {
+            planned.retain(|(i, _)| Some(*i) < atomic_early);
         }
         tx.begin_writes(writer).await.map_err(store_error)?;
         if req.atomic {
@@ -345,10 +345,14 @@ impl<S: Store> Ledger<S> {
         }
         let mut rows = self.find(tx, planned.iter().map(|(_, p)| p)).await?;
         let mut failure = None;
-        if let Some(done) = self
-            .write_together(tx, req, &planned, &rows, writer, server_time)
-            .await?
-        {
+        let together = match atomic_early {
+            Some(_) => None, // the group fails anyway: find where, one by one
+            None => {
+                self.write_together(tx, req, &planned, &rows, writer, server_time)
+                    .await?
+            }
+        };
+        if let Some(done) = together {
             for (i, o) in done {
                 outcomes[i] = Some(o);
             }
@@ -365,6 +369,7 @@ impl<S: Store> Ledger<S> {
                     break;
                 }
             }
+            failure = failure.or(atomic_early);
         }
         if req.atomic {
             let last = req.mutations.len() - 1;

@@ -913,6 +913,55 @@ async fn reuse_and_atomic(c: &PushClient) {
     // A mutation rejected with its atomic batch cannot be reused outside one.
     let (st, r, _) = c.push(&c.batch(57, vec![ins(56, 6)], false)).await;
     assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
+    // Request order decides which failure an atomic batch reports: a row
+    // conflict before a terminal code found without the row, and the other way round.
+    let not_synced = |m| {
+        mutation(
+            m,
+            "tbl_nope",
+            ("fld_nope_id", "x"),
+            s,
+            "insert",
+            None,
+            Some(json::object([])),
+        )
+    };
+    let stale = |m| {
+        note_mutation(
+            m,
+            &n(0),
+            s,
+            "update",
+            Some("stale"),
+            Some(note_columns("s")),
+        )
+    };
+    let (_, r, _) = c
+        .push(&c.batch(60, vec![ins(70, 20), stale(71), not_synced(72)], true))
+        .await;
+    assert_eq!(
+        status(&outcome(&r, 71).1).1.as_deref(),
+        Some("version_conflict")
+    );
+    for m in [70, 72] {
+        assert_eq!(
+            status(&outcome(&r, m).1).1.as_deref(),
+            Some("atomic_batch_rejected")
+        );
+    }
+    let (_, r, _) = c
+        .push(&c.batch(61, vec![ins(73, 21), not_synced(74), stale(75)], true))
+        .await;
+    assert_eq!(
+        status(&outcome(&r, 74).1).1.as_deref(),
+        Some("table_not_synced")
+    );
+    for m in [73, 75] {
+        assert_eq!(
+            status(&outcome(&r, m).1).1.as_deref(),
+            Some("atomic_batch_rejected")
+        );
+    }
     // An atomic batch that applies: every outcome applied.
     let (st, r, _) = c
         .push(&c.batch(58, vec![ins(61, 11), ins(62, 12)], true))
