@@ -104,7 +104,7 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
         .await
         .map_err(|e| install_error("reading column types", e))?
         .into_iter()
-        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .map(|r| Ok((r.try_get(0)?, base_type(r.try_get(1)?))))
         .collect::<Result<HashMap<String, String>, sqlx::Error>>()
         .map_err(db_error)?;
         let pk_constraint: String = sqlx::query_scalar(
@@ -135,6 +135,17 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
         .write()
         .map_err(|_| StoreError::Integrity("write catalog lock poisoned".into()))? = catalog;
     Ok(())
+}
+
+/// The name a cast uses for a column's type without its modifier.
+/// `character` alone means `character(1)` in a cast, which would truncate;
+/// `bpchar` is the same type without a length.
+fn base_type(format_type: String) -> String {
+    if format_type == "character" {
+        "bpchar".into()
+    } else {
+        format_type
+    }
 }
 
 /// The savepoint around one write, and the one around an atomic group.
@@ -170,15 +181,13 @@ fn canonical_key(ty: &str, key: &str) -> Option<String> {
     }
 }
 
-/// A column of `alias` in its output form (booleans' text cast says `true`; output says `t`).
-fn select_text(alias: &str, column: &str, ty: &str) -> String {
-    if ty == "boolean" {
-        format!(
-            "CASE WHEN {alias}.\"{column}\" THEN 't' WHEN NOT {alias}.\"{column}\" THEN 'f' END"
-        )
-    } else {
-        format!("{alias}.\"{column}\"::text")
-    }
+/// A column of `alias` in its type's output form, which is what pgoutput
+/// sends to capture. A text cast is not always that: a boolean casts to
+/// `true` but prints `t`, and a `char(n)` cast drops its padding.
+fn select_text(alias: &str, column: &str) -> String {
+    format!(
+        "CASE WHEN {alias}.\"{column}\" IS NOT NULL THEN format('%s', {alias}.\"{column}\") END"
+    )
 }
 
 impl PgTx {
@@ -367,7 +376,7 @@ impl PgTx {
         let castable: Vec<&String> = canonical.iter().flatten().collect();
         let mut columns = Vec::new();
         for c in &target.columns {
-            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+            columns.push(select_text("r", c));
         }
         let pk = &target.primary_key;
         let sql = format!(
@@ -501,7 +510,7 @@ impl PgTx {
         // The row as the writer now sees it, and the version the trigger gave it.
         let mut columns = Vec::new();
         for c in &target.columns {
-            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+            columns.push(select_text("r", c));
         }
         let canonical = canonical_key(&pk_type, key)
             .ok_or_else(|| StoreError::Integrity("a written key cannot be read back".into()))?;
@@ -643,7 +652,7 @@ impl PgTx {
         // Every row as the writer now sees it, with the version its write created.
         let mut columns = Vec::new();
         for c in &target.columns {
-            columns.push(select_text("r", c, self.type_of(&rel, c)?));
+            columns.push(select_text("r", c));
         }
         let canonical: Vec<String> = writes
             .iter()

@@ -366,3 +366,78 @@ async fn concurrent_pushes() {
     }
     assert_eq!((winners, conflicts), (1, 1));
 }
+
+/// Values are cast to the column's type without its modifier, then assigned:
+/// a value too long for `varchar(5)` fails instead of being cut.
+#[tokio::test]
+async fn values_are_checked_never_truncated() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "modifiers").await;
+    sql(
+        &store,
+        "ALTER TABLE public.notes ALTER title TYPE varchar(5), ALTER body TYPE char(4);",
+    )
+    .await;
+    let engine = engine(&store).await;
+    let c = PushClient::connect(&engine, "u1", "c1").await;
+    let s = &c.schema;
+    let with_body = |title: &str, body: &str| {
+        json::object([
+            ("fld_notes_title", Value::string(title)),
+            ("fld_notes_body", Value::string(body)),
+            ("fld_notes_pinned", Value::Bool(false)),
+        ])
+    };
+    let (_, r, _) = c
+        .push(&c.batch(
+            1,
+            vec![
+                note_mutation(
+                    1,
+                    &note_id(1),
+                    s,
+                    "insert",
+                    None,
+                    Some(with_body("abcdefg", "xy")),
+                ),
+                note_mutation(
+                    2,
+                    &note_id(2),
+                    s,
+                    "insert",
+                    None,
+                    Some(with_body("abc", "xyzzy")),
+                ),
+                note_mutation(
+                    3,
+                    &note_id(3),
+                    s,
+                    "insert",
+                    None,
+                    Some(with_body("abc", "xy")),
+                ),
+            ],
+            false,
+        ))
+        .await;
+    assert_eq!(
+        code(&outcome(&r, 1).1).as_deref(),
+        Some("validation_failed")
+    );
+    assert_eq!(
+        code(&outcome(&r, 2).1).as_deref(),
+        Some("validation_failed")
+    );
+    let (accepted, o) = outcome(&r, 3);
+    assert!(accepted);
+    let row = o.as_object().unwrap()["server_row"]
+        .as_object()
+        .unwrap()
+        .clone();
+    assert_eq!(row["fld_notes_title"].as_str(), Some("abc"));
+    assert_eq!(
+        row["fld_notes_body"].as_str(),
+        Some("xy  "),
+        "char(4) pads, as stored"
+    );
+}

@@ -513,7 +513,7 @@ pub async fn push_suite<W: CaptureWorld>(world: &W) {
 
     terminal_codes(world, &c, &manifest).await;
     request_errors(&c).await;
-    reuse_and_atomic(&c).await;
+    reuse_and_atomic(&store, &manifest, &c).await;
     replay_after_changes(world, &c, body, bytes).await;
 }
 
@@ -810,7 +810,7 @@ async fn request_errors(c: &PushClient) {
 }
 
 /// Mutation reuse across batches, and atomic batches.
-async fn reuse_and_atomic(c: &PushClient) {
+async fn reuse_and_atomic<S: Store>(store: &S, manifest: &Manifest, c: &PushClient) {
     let s = &c.schema;
     let n = |i: u64| note_id(100 + i);
     let ins = |m, i| note_mutation(m, &n(i), s, "insert", None, Some(note_columns("r")));
@@ -968,6 +968,9 @@ async fn reuse_and_atomic(c: &PushClient) {
         .await;
     assert_eq!(st, 200);
     assert!(outcome(&r, 61).0 && outcome(&r, 62).0);
+    // Push visibility: capture delivers the very row, version and checksum
+    // the push echoed (pull will serve this projection).
+    captured_as_echoed(store, manifest, &outcome(&r, 61).1).await;
     // A non-atomic response never carries atomic_batch_rejected, even when mixed.
     let (_, r, _) = c
         .push(&c.batch(59, vec![ins(63, 11), ins(64, 14)], false))
@@ -977,6 +980,37 @@ async fn reuse_and_atomic(c: &PushClient) {
         Some("row_already_exists")
     );
     assert!(outcome(&r, 64).0);
+}
+
+/// Waits until capture has materialized the write of an applied outcome,
+/// and checks that its projection is the echo: row, version and digest.
+async fn captured_as_echoed<S: Store>(store: &S, manifest: &Manifest, applied: &Value) {
+    let m = members(applied);
+    let table = manifest.table(m["table"].as_str().unwrap()).unwrap();
+    let row = table.decode_row(members(&m["server_row"])).unwrap();
+    let identity = RowIdentity::of(table, table.row_key(&row).unwrap());
+    let version = version_of(applied);
+    for _ in 0..2000 {
+        let mut tx = store.begin().await.unwrap();
+        let found = tx
+            .projections(table.table_id(), std::slice::from_ref(&identity))
+            .await
+            .unwrap();
+        drop(tx);
+        if let Some(p) = found.into_iter().find(|p| p.version.as_str() == version) {
+            assert_eq!(
+                json::to_canonical(&p.row),
+                json::to_canonical(&m["server_row"])
+            );
+            assert_eq!(
+                Some(p.digest),
+                Digest::from_checksum_json(&m["row_checksum"])
+            );
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    panic!("capture did not deliver the pushed version {version} in 10 s");
 }
 
 /// Replay stays byte-identical after a generation and a schema change; and
