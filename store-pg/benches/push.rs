@@ -132,7 +132,10 @@ async fn main() {
     let cluster = PgCluster::temp().unwrap();
     let store = example_store(&cluster, "push_bench").await;
     let pool = store.pool().clone();
-    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    // Production capture settings (the suite's config polls every 20 ms).
+    let mut config = push_config();
+    config.capture = actors::config::CaptureConfig::default();
+    let engine = Engine::start(store.clone(), config).await.unwrap();
     let c = PushClient::connect(&engine, "bench", "bench-0").await;
     println!("{BATCH}-mutation batches, {ROUNDS} rounds each, one client:");
     // Warm both paths (connections, plans) before measuring.
