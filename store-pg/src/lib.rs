@@ -114,6 +114,8 @@ pub struct PgTx {
     writes: push::WriteCatalog,
     /// A write's savepoint is open (released by the next write's).
     savepoint_open: bool,
+    /// `SET CONSTRAINTS ALL IMMEDIATE` goes out with the next write.
+    constraints_immediate: bool,
 }
 
 impl Store for PgStore {
@@ -155,6 +157,7 @@ impl Store for PgStore {
             tx: self.pool.begin().await.map_err(db_error)?,
             writes: self.writes.clone(),
             savepoint_open: false,
+            constraints_immediate: false,
         })
     }
 }

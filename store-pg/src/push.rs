@@ -222,6 +222,8 @@ impl PgTx {
         })
     }
 
+    /// Both lookups in one round trip: the batch row (kind `b`) and the
+    /// mutation rows (kind `m`).
     pub(crate) async fn read_push_ledger(
         &mut self,
         user_id: &str,
@@ -229,85 +231,70 @@ impl PgTx {
         batch_id: CanonicalUuid,
         mutation_ids: &[CanonicalUuid],
     ) -> Result<LedgerEntries, StoreError> {
-        let batch = sqlx::query(
-            "SELECT fingerprint, status, body FROM synchro.push_batches \
-             WHERE user_id = $1 AND client_id = $2 AND batch_id = $3::uuid",
+        let ids: Vec<String> = mutation_ids.iter().map(|u| u.to_string()).collect();
+        let rows = sqlx::query(
+            "SELECT 'b', NULL, NULL, fingerprint, status, body FROM synchro.push_batches \
+               WHERE user_id = $1 AND client_id = $2 AND batch_id = $3::uuid \
+             UNION ALL \
+             SELECT 'm', mutation_id::text, batch_id::text, fingerprint, NULL, outcome \
+               FROM synchro.push_mutations \
+               WHERE user_id = $1 AND client_id = $2 AND mutation_id = ANY($4::text[]::uuid[])",
         )
         // Planned for each call: a cached generic plan would keep the scan
-        // chosen while the table was small.
+        // chosen while the tables were small.
         .persistent(false)
         .bind(user_id)
         .bind(client_id)
         .bind(batch_id.to_string())
-        .fetch_optional(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        let batch = match batch {
-            None => None,
-            Some(r) => Some(StoredBatch {
-                batch_id,
-                fingerprint: digest(r.try_get(0).map_err(db_error)?)?,
-                status: u16::try_from(r.try_get::<i16, _>(1).map_err(db_error)?)
-                    .map_err(|_| StoreError::Integrity("stored push status".into()))?,
-                body: r.try_get(2).map_err(db_error)?,
-            }),
-        };
-        let ids: Vec<String> = mutation_ids.iter().map(|u| u.to_string()).collect();
-        let rows = sqlx::query(
-            "SELECT mutation_id::text, batch_id::text, fingerprint, outcome FROM synchro.push_mutations \
-             WHERE user_id = $1 AND client_id = $2 AND mutation_id = ANY($3::text[]::uuid[])",
-        )
-        // Planned for each call: a cached generic plan would keep the scan
-        // chosen while the table was small.
-        .persistent(false)
-        .bind(user_id)
-        .bind(client_id)
         .bind(&ids)
         .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        let canonical =
-            |u: String| CanonicalUuid::parse(&u).ok_or(StoreError::Integrity("stored UUID".into()));
-        let mutations = rows
-            .into_iter()
-            .map(|r| {
-                Ok(StoredMutation {
-                    mutation_id: canonical(r.try_get(0).map_err(db_error)?)?,
-                    batch_id: canonical(r.try_get(1).map_err(db_error)?)?,
-                    fingerprint: digest(r.try_get(2).map_err(db_error)?)?,
-                    outcome: r.try_get(3).map_err(db_error)?,
-                })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        Ok(LedgerEntries { batch, mutations })
+        let canonical = |u: Option<String>| {
+            u.as_deref()
+                .and_then(CanonicalUuid::parse)
+                .ok_or(StoreError::Integrity("stored UUID".into()))
+        };
+        let mut entries = LedgerEntries::default();
+        for r in rows {
+            let kind: String = r.try_get(0).map_err(db_error)?;
+            let fingerprint = digest(r.try_get(3).map_err(db_error)?)?;
+            let bytes: Vec<u8> = r.try_get(5).map_err(db_error)?;
+            if kind == "b" {
+                let status: i16 = r.try_get(4).map_err(db_error)?;
+                entries.batch = Some(StoredBatch {
+                    batch_id,
+                    fingerprint,
+                    status: u16::try_from(status)
+                        .map_err(|_| StoreError::Integrity("stored push status".into()))?,
+                    body: bytes,
+                });
+            } else {
+                entries.mutations.push(StoredMutation {
+                    mutation_id: canonical(r.try_get(1).map_err(db_error)?)?,
+                    batch_id: canonical(r.try_get(2).map_err(db_error)?)?,
+                    fingerprint,
+                    outcome: bytes,
+                });
+            }
+        }
+        Ok(entries)
     }
 
+    /// The batch and its mutations in one statement.
     pub(crate) async fn write_push_record(&mut self, r: &PushRecord) -> Result<(), StoreError> {
-        let uuid = |u: &CanonicalUuid| u.to_string();
         let taken = |e: sqlx::Error| match &e {
             sqlx::Error::Database(d) if d.code().as_deref() == Some("23505") => {
                 StoreError::Integrity("a ledger identity completed twice".into())
             }
             _ => db_error(e),
         };
-        sqlx::query(
-            "INSERT INTO synchro.push_batches (user_id, client_id, batch_id, fingerprint, status, body) \
-             VALUES ($1, $2, $3::uuid, $4, $5, $6)",
-        )
-        .bind(&r.user_id)
-        .bind(&r.client_id)
-        .bind(uuid(&r.batch.batch_id))
-        .bind(&r.batch.fingerprint.0[..])
-        .bind(r.batch.status as i16)
-        .bind(&r.batch.body)
-        .execute(&mut *self.tx)
-        .await
-        .map_err(taken)?;
-        if r.mutations.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<String> = r.mutations.iter().map(|m| uuid(&m.mutation_id)).collect();
-        let batches: Vec<String> = r.mutations.iter().map(|m| uuid(&m.batch_id)).collect();
+        let ids: Vec<String> = r
+            .mutations
+            .iter()
+            .map(|m| m.mutation_id.to_string())
+            .collect();
+        let batches: Vec<String> = r.mutations.iter().map(|m| m.batch_id.to_string()).collect();
         let fingerprints: Vec<Vec<u8>> = r
             .mutations
             .iter()
@@ -315,13 +302,21 @@ impl PgTx {
             .collect();
         let outcomes: Vec<Vec<u8>> = r.mutations.iter().map(|m| m.outcome.clone()).collect();
         sqlx::query(
-            "INSERT INTO synchro.push_mutations \
+            "WITH batch AS ( \
+               INSERT INTO synchro.push_batches \
+                 (user_id, client_id, batch_id, fingerprint, status, body) \
+               VALUES ($1, $2, $3::uuid, $4, $5, $6)) \
+             INSERT INTO synchro.push_mutations \
                (user_id, client_id, mutation_id, batch_id, fingerprint, outcome) \
              SELECT $1, $2, m::uuid, b::uuid, f, o \
-             FROM UNNEST($3::text[], $4::text[], $5::bytea[], $6::bytea[]) AS u(m, b, f, o)",
+             FROM UNNEST($7::text[], $8::text[], $9::bytea[], $10::bytea[]) AS u(m, b, f, o)",
         )
         .bind(&r.user_id)
         .bind(&r.client_id)
+        .bind(r.batch.batch_id.to_string())
+        .bind(&r.batch.fingerprint.0[..])
+        .bind(r.batch.status as i16)
+        .bind(&r.batch.body)
         .bind(&ids)
         .bind(&batches)
         .bind(&fingerprints)
@@ -348,17 +343,16 @@ impl PgTx {
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        if w.immediate_constraints {
-            // Each statement is a push unit: deferrable constraints are checked at its end.
-            self.simple("SET CONSTRAINTS ALL IMMEDIATE".into())
-                .await
-                .map_err(db_error)?;
-        }
+        // Each statement is a push unit: deferrable constraints are checked
+        // at its end. Sent with the first write's savepoint (one round trip);
+        // nothing before a write can check a constraint.
+        self.constraints_immediate = w.immediate_constraints;
         Ok(())
     }
 
     pub(crate) async fn stop_writes(&mut self) -> Result<(), StoreError> {
         self.savepoint_open = false;
+        self.constraints_immediate = false;
         self.simple("SET LOCAL ROLE NONE".into())
             .await
             .map_err(db_error)
@@ -709,11 +703,14 @@ impl PgTx {
     /// Opens the savepoint of the next write, releasing the last one's in
     /// the same round trip.
     async fn open_write(&mut self) -> Result<(), StoreError> {
-        let open = if self.savepoint_open {
+        let mut open = if self.savepoint_open {
             format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {WRITE_SAVEPOINT}")
         } else {
             format!("SAVEPOINT {WRITE_SAVEPOINT}")
         };
+        if std::mem::take(&mut self.constraints_immediate) {
+            open.insert_str(0, "SET CONSTRAINTS ALL IMMEDIATE; ");
+        }
         self.simple(open).await.map_err(db_error)?;
         self.savepoint_open = true;
         Ok(())
