@@ -154,21 +154,17 @@ impl<S: Store> Ledger<S> {
     ) -> Result<Reply, ProtocolError> {
         // 1. Bind client_id to the user. A body that is not JSON has no client to bind.
         let parsed = protocol::wire::parse_body(body);
-        let mut tx = self.store.begin().await.map_err(store_error)?;
-        let client = match parsed
-            .as_ref()
-            .ok()
-            .and_then(protocol::wire::client_id_member)
-        {
-            Some(client_id) => tx.lock_client(client_id).await.map_err(store_error)?,
-            None => None,
-        };
         let named = parsed
             .as_ref()
             .ok()
             .and_then(protocol::wire::client_id_member)
-            .is_some();
-        if named && client.as_ref().is_none_or(|c| c.user_id != user_id) {
+            .map(str::to_owned);
+        let mut tx = self.store.begin().await.map_err(store_error)?;
+        let client = match &named {
+            Some(client_id) => tx.lock_client(client_id).await.map_err(store_error)?,
+            None => None,
+        };
+        if named.is_some() && client.as_ref().is_none_or(|c| c.user_id != user_id) {
             // A client that never connected, or one bound to another user.
             return Err(ProtocolError::new(ErrorKind::AuthRequired));
         }

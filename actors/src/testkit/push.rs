@@ -512,7 +512,7 @@ pub async fn push_suite<W: CaptureWorld>(world: &W) {
     }
 
     terminal_codes(world, &c, &manifest).await;
-    request_errors(&c).await;
+    request_errors(&store, &c).await;
     reuse_and_atomic(&store, &manifest, &c).await;
     replay_after_changes(world, &c, body, bytes).await;
 }
@@ -736,7 +736,7 @@ async fn terminal_codes<W: CaptureWorld>(world: &W, c: &PushClient, manifest: &M
 }
 
 /// Whole-request errors: status and code.
-async fn request_errors(c: &PushClient) {
+async fn request_errors<S: Store>(store: &S, c: &PushClient) {
     let s = &c.schema;
     let one = |n| {
         vec![note_mutation(
@@ -803,6 +803,19 @@ async fn request_errors(c: &PushClient) {
     ]);
     let (st, r, _) = old.push(&old.batch(45, one(45), false)).await;
     assert_eq!((st, error_code(&r).as_str()), (422, "schema_mismatch"));
+    // A retired client (an operator action): 409, even for a batch it completed.
+    let gone = PushClient::connect(&c.engine, &c.user, "retiring").await;
+    let done = gone.batch(47, one(47), false);
+    assert_eq!(gone.push(&done).await.0, 200);
+    let mut tx = store.begin().await.unwrap();
+    let mut record = tx.lock_client("retiring").await.unwrap().unwrap();
+    record.retired = true;
+    tx.put_client(&record).await.unwrap();
+    tx.commit().await.unwrap();
+    for body in [done, gone.batch(48, one(48), false)] {
+        let (st, r, _) = gone.push(&body).await;
+        assert_eq!((st, error_code(&r).as_str()), (409, "client_retired"));
+    }
     // A failed request did no work: the same mutations now execute.
     let (st, r, _) = c.push(&c.batch(46, one(44), false)).await;
     assert_eq!(st, 200);
