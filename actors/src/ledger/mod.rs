@@ -309,12 +309,7 @@ impl<S: Store> Ledger<S> {
         slots: Vec<Slot>,
         server_time: &str,
     ) -> Result<Vec<(bool, OutcomeEntry)>, ProtocolError> {
-        let head = |m: &Mutation| OutcomeHead {
-            mutation_id: m.mutation_id,
-            table: m.table.clone(),
-            pk: m.pk.clone(),
-            outcome_schema: self.current.reference(),
-        };
+        let head = |m: &Mutation| self.head(m);
         let mut outcomes: Vec<Option<Outcome>> = vec![None; slots.len()];
         let mut reused: Vec<Option<OutcomeEntry>> = vec![None; slots.len()];
         let mut planned = Vec::new();
@@ -367,46 +362,12 @@ impl<S: Store> Ledger<S> {
             }
             failure = failure.or(atomic_early);
         }
-        if req.atomic {
-            let last = req.mutations.len() - 1;
-            if failure.is_none() {
-                if let Some(refusal) = tx.check_constraints().await.map_err(store_error)? {
-                    let code = terminal(refusal);
-                    outcomes[last] = Some(Outcome::Rejected {
-                        head: head(&req.mutations[last]),
-                        code,
-                    });
-                    failure = Some(last);
-                } else {
-                    // Deferred triggers may have changed the rows: report them after the check.
-                    let found = self.find(tx, planned.iter().map(|(_, p)| p)).await?;
-                    for (i, p) in &planned {
-                        let m = &req.mutations[*i];
-                        let f = lookup(&found, p)?;
-                        let Some(Outcome::Applied { .. }) = outcomes[*i] else {
-                            return Err(integrity("an atomic outcome is not applied"));
-                        };
-                        outcomes[*i] = Some(self.applied(head(m), p, f)?);
-                    }
-                }
-            }
-            if let Some(i) = failure {
-                tx.undo_group().await.map_err(store_error)?;
-                let m = &req.mutations[i];
-                let mut outcome = outcomes[i].take();
-                if let Some(Outcome::Conflict { .. }) = outcome
-                    && let Some((_, p)) = planned.iter().find(|(j, _)| *j == i)
-                {
-                    // The committed state after the rollback, as the writer sees it.
-                    let found = self.find(tx, std::iter::once(p)).await?;
-                    let f = lookup(&found, p)?;
-                    if let Verdict::Done(o) = self.evaluate_row(m, p, f, head(m), writer)? {
-                        outcome = Some(*o);
-                    }
-                }
-                tx.end_writes().await.map_err(store_error)?;
-                return Ok(atomic_rejection(req, i, outcome, &head));
-            }
+        if req.atomic
+            && let Some(rejection) = self
+                .finish_group(tx, req, &planned, &mut outcomes, failure, writer)
+                .await?
+        {
+            return Ok(rejection);
         }
         tx.end_writes().await.map_err(store_error)?;
         outcomes
@@ -446,12 +407,7 @@ impl<S: Store> Ledger<S> {
             return Ok(None);
         }
         let t = self.table(&first.table_id)?;
-        let head = |m: &Mutation| OutcomeHead {
-            mutation_id: m.mutation_id,
-            table: m.table.clone(),
-            pk: m.pk.clone(),
-            outcome_schema: self.current.reference(),
-        };
+        let head = |m: &Mutation| self.head(m);
         let mut decided = Vec::new();
         let mut writes = Vec::new();
         for (i, p) in planned {
@@ -497,6 +453,70 @@ impl<S: Store> Ledger<S> {
             decided.push((i, self.applied(head(&req.mutations[i]), p, &found)?));
         }
         Ok(Some(decided))
+    }
+
+    /// The identity a first-execution outcome echoes, under the current schema.
+    fn head(&self, m: &Mutation) -> OutcomeHead {
+        OutcomeHead {
+            mutation_id: m.mutation_id,
+            table: m.table.clone(),
+            pk: m.pk.clone(),
+            outcome_schema: self.current.reference(),
+        }
+    }
+
+    /// The end of an atomic group: the deferred check when everything
+    /// applied (then every row as it stands after it), or the rollback and
+    /// the rejection form when something failed.
+    async fn finish_group(
+        &self,
+        tx: &mut S::Tx,
+        req: &PushRequest,
+        planned: &[(usize, Planned)],
+        outcomes: &mut [Option<Outcome>],
+        mut failure: Option<usize>,
+        writer: &Writer,
+    ) -> Result<Option<Vec<(bool, OutcomeEntry)>>, ProtocolError> {
+        let head = |m: &Mutation| self.head(m);
+        let last = req.mutations.len() - 1;
+        if failure.is_none() {
+            if let Some(refusal) = tx.check_constraints().await.map_err(store_error)? {
+                outcomes[last] = Some(Outcome::Rejected {
+                    head: head(&req.mutations[last]),
+                    code: terminal(refusal),
+                });
+                failure = Some(last);
+            } else {
+                // Deferred triggers may have changed the rows: report them after the check.
+                let found = self.find(tx, planned.iter().map(|(_, p)| p)).await?;
+                for (i, p) in planned {
+                    let f = lookup(&found, p)?;
+                    let Some(Outcome::Applied { .. }) = outcomes[*i] else {
+                        return Err(integrity("an atomic outcome is not applied"));
+                    };
+                    outcomes[*i] = Some(self.applied(head(&req.mutations[*i]), p, f)?);
+                }
+                return Ok(None);
+            }
+        }
+        let Some(i) = failure else {
+            return Ok(None);
+        };
+        tx.undo_group().await.map_err(store_error)?;
+        let m = &req.mutations[i];
+        let mut outcome = outcomes[i].take();
+        if let Some(Outcome::Conflict { .. }) = outcome
+            && let Some((_, p)) = planned.iter().find(|(j, _)| *j == i)
+        {
+            // The committed state after the rollback, as the writer sees it.
+            let found = self.find(tx, std::iter::once(p)).await?;
+            let f = lookup(&found, p)?;
+            if let Verdict::Done(o) = self.evaluate_row(m, p, f, head(m), writer)? {
+                outcome = Some(*o);
+            }
+        }
+        tx.end_writes().await.map_err(store_error)?;
+        Ok(Some(atomic_rejection(req, i, outcome, &head)))
     }
 
     /// Locks and reads the rows of these plans, table by table.
