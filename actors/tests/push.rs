@@ -11,3 +11,8 @@ async fn every_push_outcome_on_memstore() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn push_primitives_conformance() {
+    actors::testkit::push_store_suite(&MemStore::new()).await;
+}

@@ -113,6 +113,13 @@ async fn push_writes_leave_fences() {
     assert_eq!(pending, 1);
 }
 
+/// The push primitives, as on MemStore.
+#[tokio::test]
+async fn push_primitives_conformance() {
+    let cluster = PgCluster::temp().unwrap();
+    actors::testkit::push_store_suite(&example_store(&cluster, "primitives").await).await;
+}
+
 /// Row security of the application table is the write policy.
 #[tokio::test]
 async fn row_security_denials() {

@@ -17,7 +17,7 @@ pub use capture::{
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
-    note_mutation, outcome, push_config, push_suite, version_of,
+    note_mutation, outcome, push_config, push_store_suite, push_suite, version_of,
 };
 
 /// The example config (`examples/notes/config.toml`).

@@ -1086,3 +1086,176 @@ async fn replay_after_changes<W: CaptureWorld>(
     let (st, r, _) = c2.push(&fresh).await;
     assert_eq!(st, 409, "the generation gate comes first: {r:?}");
 }
+
+/// The push primitives give the same results on every store: ledger
+/// entries read back exactly, a second completion is an integrity failure,
+/// and writes report what they did (and undo what they refuse).
+/// `store` holds the example tables and nothing else.
+pub async fn push_store_suite<S: Store>(store: &S) {
+    use crate::ledger::contract::{
+        LedgerEntries, PushRecord, Refusal, RowWrite, StoredBatch, StoredMutation, WriteResult,
+        Writer,
+    };
+    use crate::store::StoreError;
+    use protocol::ids::CanonicalUuid;
+
+    let config = push_config();
+    store
+        .install_capture(&crate::capture::CapturePlan::new(&config))
+        .await
+        .unwrap();
+    let targets = crate::ledger::write_targets(&config);
+    store.install_push(&targets).await.unwrap();
+    let notes = &targets[0];
+
+    // The ledger.
+    let id = |s: String| CanonicalUuid::parse(&s).unwrap();
+    let record = PushRecord {
+        user_id: "u1".into(),
+        client_id: "c1".into(),
+        batch: StoredBatch {
+            batch_id: id(batch_id(1)),
+            fingerprint: Digest([1; 32]),
+            status: 200,
+            body: b"{\"batch\":1}".to_vec(),
+        },
+        mutations: vec![StoredMutation {
+            mutation_id: id(mutation_id(1)),
+            batch_id: id(batch_id(1)),
+            fingerprint: Digest([2; 32]),
+            outcome: b"{\"outcome\":1}".to_vec(),
+        }],
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.record_push(&record).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let ids = [id(mutation_id(1)), id(mutation_id(2))];
+    let got = tx
+        .push_ledger("u1", "c1", id(batch_id(1)), &ids)
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        LedgerEntries {
+            batch: Some(record.batch.clone()),
+            mutations: record.mutations.clone(),
+        }
+    );
+    // Identities are scoped to (user, client).
+    let other = tx
+        .push_ledger("u1", "c2", id(batch_id(1)), &ids)
+        .await
+        .unwrap();
+    assert_eq!(other, LedgerEntries::default());
+    // A completed identity cannot complete again.
+    assert!(matches!(
+        tx.record_push(&record).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
+
+    // Source writes.
+    let writer = Writer {
+        user_id: "u1".into(),
+        client_id: "c1".into(),
+        immediate_constraints: true,
+    };
+    let values = |title: &str| {
+        vec![
+            ("owner_id".to_owned(), Some("u1".to_owned())),
+            ("title".to_owned(), Some(title.to_owned())),
+            ("pinned".to_owned(), Some("f".to_owned())),
+            (
+                "updated_at".to_owned(),
+                Some("2026-07-18 14:00:01+00".to_owned()),
+            ),
+        ]
+    };
+    let insert = |title: &str| RowWrite::Insert {
+        values: values(title),
+    };
+    let (k1, k2, k3, k4) = (note_id(1), note_id(2), note_id(3), note_id(4));
+    let mut tx = store.begin().await.unwrap();
+    tx.begin_writes(&writer).await.unwrap();
+    let WriteResult::Written { row, version } =
+        tx.write_row(notes, &k1, &insert("one")).await.unwrap()
+    else {
+        panic!("not written");
+    };
+    let row = row.unwrap();
+    assert_eq!(row["title"].as_deref(), Some("one"));
+    assert_eq!(row["body"], None);
+    let found = tx
+        .find_rows(notes, std::slice::from_ref(&k1))
+        .await
+        .unwrap();
+    assert_eq!(found[0].visible.as_ref(), Some(&row));
+    assert_eq!(
+        found[0]
+            .version
+            .as_ref()
+            .map(|v| (v.version.clone(), v.deleted)),
+        Some((version.clone(), false))
+    );
+    // Refusals and zero-row writes leave nothing.
+    assert_eq!(
+        tx.write_row(notes, &k1, &insert("again")).await.unwrap(),
+        WriteResult::Refused(Refusal::DuplicateKey)
+    );
+    let missing_title = RowWrite::Insert {
+        values: vec![("owner_id".to_owned(), Some("u1".to_owned()))],
+    };
+    assert_eq!(
+        tx.write_row(notes, &k2, &missing_title).await.unwrap(),
+        WriteResult::Refused(Refusal::Constraint)
+    );
+    let update = RowWrite::Update {
+        values: vec![("title".to_owned(), Some("new".to_owned()))],
+    };
+    assert_eq!(
+        tx.write_row(notes, &k4, &update).await.unwrap(),
+        WriteResult::Unchanged
+    );
+    // A set is all or none.
+    let set = vec![(k2.clone(), insert("two")), (k4.clone(), update.clone())];
+    assert_eq!(tx.write_rows(notes, &set).await.unwrap(), None);
+    let set = vec![(k2.clone(), insert("two")), (k3.clone(), insert("three"))];
+    let written = tx.write_rows(notes, &set).await.unwrap().unwrap();
+    assert_eq!(written.len(), 2);
+    // A hard delete keeps the deletion fence.
+    let WriteResult::Written { row: None, .. } =
+        tx.write_row(notes, &k3, &RowWrite::Delete).await.unwrap()
+    else {
+        panic!("a delete reports no row");
+    };
+    // An undone group leaves nothing of its writes.
+    tx.mark_group().await.unwrap();
+    let WriteResult::Written { .. } = tx.write_row(notes, &k4, &insert("four")).await.unwrap()
+    else {
+        panic!("not written");
+    };
+    assert_eq!(tx.check_constraints().await.unwrap(), None);
+    tx.undo_group().await.unwrap();
+    tx.end_writes().await.unwrap();
+    let keys = [k1.clone(), k2.clone(), k3.clone(), k4.clone()];
+    let found = tx.find_rows(notes, &keys).await.unwrap();
+    let state: Vec<(bool, Option<bool>)> = found
+        .iter()
+        .map(|f| (f.visible.is_some(), f.version.as_ref().map(|v| v.deleted)))
+        .collect();
+    assert_eq!(
+        state,
+        [
+            (true, Some(false)),
+            (true, Some(false)),
+            (false, Some(true)),
+            (false, None)
+        ]
+    );
+    assert_eq!(
+        found[1].visible.as_ref().unwrap()["title"].as_deref(),
+        Some("two")
+    );
+    tx.commit().await.unwrap();
+}
