@@ -294,6 +294,22 @@ pub async fn check_server(pool: &PgPool) -> Result<(), Vec<String>> {
             "the role lacks the REPLICATION attribute (needed for logical decoding)".to_owned(),
         );
     }
+    // Push writes as synchro_writer: the server creates it (CREATEROLE), or
+    // an operator created it and made this role a member.
+    let can_write: bool = sqlx::query_scalar(
+        "SELECT (SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user) \
+             OR CASE WHEN EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'synchro_writer') \
+                THEN pg_has_role(current_user, 'synchro_writer', 'MEMBER') ELSE false END",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| vec![format!("cannot read role memberships: {e}")])?;
+    if !can_write {
+        problems.push(
+            "the role lacks CREATEROLE and is not a member of synchro_writer (needed for push)"
+                .to_owned(),
+        );
+    }
     if problems.is_empty() {
         Ok(())
     } else {

@@ -41,6 +41,7 @@ async fn pgstore() {
         [
             "the role lacks CREATE on the database (needed for schema synchro)",
             "the role lacks the REPLICATION attribute (needed for logical decoding)",
+            "the role lacks CREATEROLE and is not a member of synchro_writer (needed for push)",
         ]
     );
 
