@@ -45,14 +45,24 @@ pub(crate) fn quoted(relation: &str) -> String {
     }
 }
 
+/// `grant` in a block that runs it only when `held` (an SQL condition) is false.
+fn grant_once(held: &str, grant: &str) -> String {
+    format!("DO $$ BEGIN IF NOT ({held}) THEN {grant}; END IF; END $$")
+}
+
 /// Creates the writer role if needed, grants it the registered tables, and
 /// loads their column types.
 pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<(), StoreError> {
     let pool = store.pool();
-    // Roles are cluster-wide: another database may create it at the same moment.
+    // Roles are cluster-wide: another database may create it at the same
+    // moment. An operator may have created it (and granted everything
+    // below), so that the server needs no CREATEROLE: each step runs only
+    // when what it gives is missing.
     sqlx::raw_sql(
         "DO $$ BEGIN \
-           CREATE ROLE synchro_writer NOLOGIN NOSUPERUSER NOBYPASSRLS NOINHERIT; \
+           IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'synchro_writer') THEN \
+             CREATE ROLE synchro_writer NOLOGIN NOSUPERUSER NOBYPASSRLS NOINHERIT; \
+           END IF; \
          EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$",
     )
     .execute(pool)
@@ -66,18 +76,29 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
            END IF; \
          EXCEPTION WHEN unique_violation THEN NULL; END $$"
             .to_owned(),
-        "GRANT USAGE ON SCHEMA synchro TO synchro_writer".to_owned(),
-        "GRANT SELECT ON synchro.row_versions TO synchro_writer".to_owned(),
+        grant_once(
+            "has_schema_privilege('synchro_writer', 'synchro', 'USAGE')",
+            "GRANT USAGE ON SCHEMA synchro TO synchro_writer",
+        ),
+        grant_once(
+            "has_table_privilege('synchro_writer', 'synchro.row_versions', 'SELECT')",
+            "GRANT SELECT ON synchro.row_versions TO synchro_writer",
+        ),
     ];
     for t in targets {
         if let Some((schema, _)) = t.relation.split_once('.') {
-            grants.push(format!(
-                "GRANT USAGE ON SCHEMA \"{schema}\" TO synchro_writer"
+            grants.push(grant_once(
+                &format!("has_schema_privilege('synchro_writer', '{schema}', 'USAGE')"),
+                &format!("GRANT USAGE ON SCHEMA \"{schema}\" TO synchro_writer"),
             ));
         }
-        grants.push(format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO synchro_writer",
-            quoted(&t.relation)
+        let relation = quoted(&t.relation);
+        let held = ["SELECT", "INSERT", "UPDATE", "DELETE"]
+            .map(|p| format!("has_table_privilege('synchro_writer', '{relation}', '{p}')"))
+            .join(" AND ");
+        grants.push(grant_once(
+            &held,
+            &format!("GRANT SELECT, INSERT, UPDATE, DELETE ON {relation} TO synchro_writer"),
         ));
     }
     let script = grants.join(";\n");

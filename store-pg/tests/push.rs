@@ -512,3 +512,45 @@ async fn values_are_checked_never_truncated() {
         "char(4) pads, as stored"
     );
 }
+
+/// A server role without CREATEROLE can push once an operator has created
+/// `synchro_writer`, made the server's role a member, and granted it the tables.
+#[tokio::test]
+async fn an_operator_created_writer_role_needs_no_createrole() {
+    use actors::store::Store;
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "operator").await;
+    let config = push_config();
+    let targets = actors::ledger::write_targets(&config);
+    // The operator's part, as a superuser.
+    sql(
+        &store,
+        "CREATE ROLE synchro_writer NOLOGIN NOBYPASSRLS NOINHERIT;
+         CREATE ROLE limited LOGIN REPLICATION;
+         GRANT synchro_writer TO limited;
+         GRANT USAGE ON SCHEMA synchro TO synchro_writer, limited;
+         GRANT SELECT ON synchro.row_versions TO synchro_writer;
+         GRANT SELECT, INSERT, UPDATE, DELETE ON public.notes, public.templates TO synchro_writer;
+         GRANT CREATE ON SCHEMA public TO limited;
+         GRANT SELECT, INSERT ON public._sqlx_migrations TO limited;",
+    )
+    .await;
+    let limited = PgStore::connect(cluster.connect_options("operator").username("limited"))
+        .await
+        .unwrap();
+    store_pg::catalog::check_server(limited.pool())
+        .await
+        .unwrap_or_else(|p| {
+            // CREATE on the database is not granted here; the writer role is fine.
+            assert!(!p.iter().any(|m| m.contains("synchro_writer")), "{p:?}");
+        });
+    limited.install_push(&targets).await.unwrap();
+    // Without the operator's role, the same server role cannot start push.
+    sql(
+        &store,
+        "DROP OWNED BY synchro_writer; DROP ROLE synchro_writer;",
+    )
+    .await;
+    let err = limited.install_push(&targets).await.unwrap_err();
+    assert!(err.to_string().contains("CREATEROLE"), "{err}");
+}
