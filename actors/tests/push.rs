@@ -133,5 +133,8 @@ async fn arbitrary_batches_get_a_spec_answer() {
         }
     }
     // Most batches are well formed: the engine, not the parser, answered them.
-    assert!(answered >= 32, "only {answered} of 64 batches were executed");
+    assert!(
+        answered >= 32,
+        "only {answered} of 64 batches were executed"
+    );
 }
