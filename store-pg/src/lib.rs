@@ -10,6 +10,7 @@
 pub mod capture;
 pub mod catalog;
 pub mod cluster;
+mod ledger;
 mod materialized;
 pub mod pgoutput;
 mod push;
