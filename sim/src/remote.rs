@@ -476,52 +476,47 @@ async fn answer(ep: &Endpoint, id: u64, seq: u64) -> Result<Option<Answer>, Stor
     timeout(ANSWER_TIMEOUT, wait).await.map_err(|_| lost())
 }
 
+impl RemoteStore {
+    /// One request outside any transaction, from a fresh endpoint, and its answer.
+    async fn one_shot(&self, request: impl FnOnce(u64) -> Request) -> Result<Answer, StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        ep.send_to_raw(db, DB_REQUEST, Box::new(request(id)))
+            .await
+            .map_err(|_| lost())?;
+        answer(&ep, id, 0).await?.ok_or_else(lost)
+    }
+}
+
 impl Store for RemoteStore {
     type Tx = RemoteTx;
     type Feed = RemoteFeed;
 
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
-        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        let request = Request::InstallCapture {
-            id,
-            plan: plan.clone(),
-        };
-        ep.send_to_raw(db, DB_REQUEST, Box::new(request))
-            .await
-            .map_err(|_| lost())?;
-        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+        let plan = plan.clone();
+        match self
+            .one_shot(|id| Request::InstallCapture { id, plan })
+            .await?
+        {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
     }
 
     async fn install_push(&self, targets: &[WriteTarget]) -> Result<(), StoreError> {
-        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        let request = Request::InstallPush {
-            id,
-            targets: targets.to_vec(),
-        };
-        ep.send_to_raw(db, DB_REQUEST, Box::new(request))
-            .await
-            .map_err(|_| lost())?;
-        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+        let targets = targets.to_vec();
+        match self
+            .one_shot(|id| Request::InstallPush { id, targets })
+            .await?
+        {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
     }
 
     async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
-        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        ep.send_to_raw(db, DB_REQUEST, Box::new(Request::CheckCapture { id }))
-            .await
-            .map_err(|_| lost())?;
-        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+        match self.one_shot(|id| Request::CheckCapture { id }).await? {
             Answer::Check(r) => r,
             _ => Err(mismatch()),
         }

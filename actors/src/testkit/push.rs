@@ -218,6 +218,11 @@ fn status(o: &Value) -> (String, Option<String>) {
     )
 }
 
+/// The code of mutation `n`'s outcome, absent for `applied`.
+fn code_of(response: &Value, n: u64) -> Option<String> {
+    status(&outcome(response, n).1).1
+}
+
 /// The sorted member names of an outcome.
 fn keys(o: &Value) -> Vec<String> {
     members(o).keys().cloned().collect()
@@ -729,10 +734,7 @@ async fn terminal_codes<W: CaptureWorld>(world: &W, c: &PushClient, manifest: &M
             false,
         ))
         .await;
-    assert_eq!(
-        status(&outcome(&r, 31).1).1.as_deref(),
-        Some("row_not_found")
-    );
+    assert_eq!(code_of(&r, 31).as_deref(), Some("row_not_found"));
 }
 
 /// Whole-request errors: status and code.
@@ -918,10 +920,7 @@ async fn reuse_and_atomic<S: Store>(store: &S, manifest: &Manifest, c: &PushClie
         ),
     ];
     let (_, r, _) = c.push(&c.batch(56, check, false)).await;
-    assert_eq!(
-        status(&outcome(&r, 59).1).1.as_deref(),
-        Some("row_not_found")
-    );
+    assert_eq!(code_of(&r, 59).as_deref(), Some("row_not_found"));
     assert!(outcome(&r, 60).0, "the atomic update never advanced v0");
     // A mutation rejected with its atomic batch cannot be reused outside one.
     let (st, r, _) = c.push(&c.batch(57, vec![ins(56, 6)], false)).await;
@@ -952,28 +951,16 @@ async fn reuse_and_atomic<S: Store>(store: &S, manifest: &Manifest, c: &PushClie
     let (_, r, _) = c
         .push(&c.batch(60, vec![ins(70, 20), stale(71), not_synced(72)], true))
         .await;
-    assert_eq!(
-        status(&outcome(&r, 71).1).1.as_deref(),
-        Some("version_conflict")
-    );
+    assert_eq!(code_of(&r, 71).as_deref(), Some("version_conflict"));
     for m in [70, 72] {
-        assert_eq!(
-            status(&outcome(&r, m).1).1.as_deref(),
-            Some("atomic_batch_rejected")
-        );
+        assert_eq!(code_of(&r, m).as_deref(), Some("atomic_batch_rejected"));
     }
     let (_, r, _) = c
         .push(&c.batch(61, vec![ins(73, 21), not_synced(74), stale(75)], true))
         .await;
-    assert_eq!(
-        status(&outcome(&r, 74).1).1.as_deref(),
-        Some("table_not_synced")
-    );
+    assert_eq!(code_of(&r, 74).as_deref(), Some("table_not_synced"));
     for m in [73, 75] {
-        assert_eq!(
-            status(&outcome(&r, m).1).1.as_deref(),
-            Some("atomic_batch_rejected")
-        );
+        assert_eq!(code_of(&r, m).as_deref(), Some("atomic_batch_rejected"));
     }
     // An atomic batch that applies: every outcome applied.
     let (st, r, _) = c
@@ -988,10 +975,7 @@ async fn reuse_and_atomic<S: Store>(store: &S, manifest: &Manifest, c: &PushClie
     let (_, r, _) = c
         .push(&c.batch(59, vec![ins(63, 11), ins(64, 14)], false))
         .await;
-    assert_eq!(
-        status(&outcome(&r, 63).1).1.as_deref(),
-        Some("row_already_exists")
-    );
+    assert_eq!(code_of(&r, 63).as_deref(), Some("row_already_exists"));
     assert!(outcome(&r, 64).0);
 }
 
