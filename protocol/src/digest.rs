@@ -108,7 +108,7 @@ impl RowIdentity {
     /// `D("synchro:v3:row-identity:v1") || text(table_id) || text(pk_field_id) || typed(pk)`.
     pub fn new(table_id: &str, pk_field_id: &str, pk: &TypedValue) -> RowIdentity {
         let mut out = Vec::with_capacity(64);
-        out.extend_from_slice(b"synchro:v3:row-identity:v1\0");
+        out.extend_from_slice(IDENTITY_DOMAIN);
         text(table_id, &mut out);
         text(pk_field_id, &mut out);
         pk.encode(&mut out);
@@ -129,6 +129,36 @@ impl RowIdentity {
     pub fn from_bytes(bytes: Vec<u8>) -> RowIdentity {
         RowIdentity(bytes)
     }
+
+    /// Validates bytes from outside: the domain, two nonempty UTF-8 texts,
+    /// one present key of a key type (string, int, int64), nothing after.
+    pub fn parse(bytes: Vec<u8>) -> Option<RowIdentity> {
+        let rest = bytes.strip_prefix(IDENTITY_DOMAIN)?;
+        let (table_id, rest) = take_text(rest)?;
+        let (field_id, rest) = take_text(rest)?;
+        let (&[tag, presence], rest) = rest.split_first_chunk::<2>()?;
+        let payload_ok = presence == 0x01
+            && match tag {
+                0x01 => take_text(rest).is_some_and(|(_, after)| after.is_empty()),
+                0x02 => rest.len() == 4,
+                0x03 => rest.len() == 8,
+                _ => false,
+            };
+        (payload_ok && !table_id.is_empty() && !field_id.is_empty()).then_some(RowIdentity(bytes))
+    }
+}
+
+const IDENTITY_DOMAIN: &[u8] = b"synchro:v3:row-identity:v1\0";
+
+/// Splits `blob(utf8)` off the front of `bytes`.
+fn take_text(bytes: &[u8]) -> Option<(&str, &[u8])> {
+    let (len, rest) = bytes.split_first_chunk::<8>()?;
+    let len = usize::try_from(u64::from_be_bytes(*len)).ok()?;
+    if rest.len() < len {
+        return None;
+    }
+    let (s, rest) = rest.split_at(len);
+    Some((std::str::from_utf8(s).ok()?, rest))
 }
 
 impl fmt::Debug for RowIdentity {

@@ -232,6 +232,10 @@ impl TableManifest {
                 "the primary key must be a non-null string, int or int64",
             ));
         }
+        // A row's identity never changes, so no client may author its key field.
+        if fields[primary_key_index].writable {
+            return Err(ManifestError("the primary key field must not be writable"));
+        }
         for id in [
             &lifecycle.created_at_field_id,
             &lifecycle.updated_at_field_id,

@@ -241,7 +241,8 @@ fn decode_text(ty: PortableType, s: &str) -> Option<TypedValue> {
         }
         PortableType::Json => {
             let doc = json::parse(s.as_bytes()).ok()?;
-            return (json::to_canonical_string(&doc) == s).then(|| TypedValue::Json(s.to_owned()));
+            let ok = json::to_canonical_string(&doc) == s && integers_are_exact(&doc);
+            return ok.then(|| TypedValue::Json(s.to_owned()));
         }
         PortableType::Decimal => is_canonical_decimal(s),
         PortableType::Datetime => is_canonical_datetime(s),
@@ -353,8 +354,24 @@ fn is_canonical_time(s: &str) -> bool {
     ) && fraction_ok
 }
 
+/// Whether every integer of a JSON document is in the portable exact
+/// range. In canonical text an integer is a lexeme of digits only (RFC 8785
+/// writes integral values below 1e21 that way), and one beyond 2^53 - 1
+/// would not keep its value on every reader.
+fn integers_are_exact(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => {
+            let integer = !n.lexeme().contains(['.', 'e', 'E']);
+            !integer || n.as_f64().abs() <= crate::limits::MAX_SAFE_INTEGER as f64
+        }
+        Value::Array(items) => items.iter().all(integers_are_exact),
+        Value::Object(members) => members.values().all(integers_are_exact),
+        _ => true,
+    }
+}
+
 /// `YYYY-MM-DDTHH:MM:SS.ffffffZ`: UTC, exactly microseconds.
-fn is_canonical_datetime(s: &str) -> bool {
+pub fn is_canonical_datetime(s: &str) -> bool {
     s.len() == 27
         && s.is_char_boundary(10)
         && s.is_char_boundary(11)
@@ -363,31 +380,6 @@ fn is_canonical_datetime(s: &str) -> bool {
         && &s[10..11] == "T"
         && is_canonical_time(&s[11..26])
         && s.ends_with('Z')
-}
-
-/// Whether `s` is an RFC 3339 UTC timestamp (`Z` offset, optional 1..9 fraction digits).
-pub fn is_rfc3339_utc(s: &str) -> bool {
-    let b = s.as_bytes();
-    if b.len() < 20 || !s.is_ascii() || b[10] != b'T' || b[b.len() - 1] != b'Z' {
-        return false;
-    }
-    let clock = &s[11..s.len() - 1];
-    let (hms, frac_ok) = match clock.split_once('.') {
-        Some((hms, f)) => (
-            hms,
-            (1..=9).contains(&f.len()) && f.bytes().all(|c| c.is_ascii_digit()),
-        ),
-        None => (clock, true),
-    };
-    let hb = hms.as_bytes();
-    let hms_ok = hb.len() == 8
-        && hb[2] == b':'
-        && hb[5] == b':'
-        && matches!(
-            (two_digits(hb, 0), two_digits(hb, 3), two_digits(hb, 6)),
-            (Some(h), Some(m), Some(sec)) if h < 24 && m < 60 && sec < 60
-        );
-    is_canonical_date(&s[..10]) && hms_ok && frac_ok
 }
 
 impl TypedValue {
@@ -771,15 +763,23 @@ mod tests {
     }
 
     #[test]
-    fn rfc3339_utc_client_versions() {
-        assert!(is_rfc3339_utc("2026-07-18T13:59:01.000000Z"));
-        assert!(is_rfc3339_utc("2026-07-18T13:59:01Z"));
-        assert!(is_rfc3339_utc("2026-07-18T13:59:01.1Z"));
-        assert!(!is_rfc3339_utc("2026-07-18T13:59:01+00:00"));
-        assert!(!is_rfc3339_utc("2026-07-18T13:59:01.Z"));
-        assert!(!is_rfc3339_utc("2026-07-18 13:59:01Z"));
-        assert!(!is_rfc3339_utc("2026-02-30T13:59:01Z"));
-        assert!(!is_rfc3339_utc("2026-07-18T13:59:01.1234567890Z"));
-        assert!(!is_rfc3339_utc("2026-07-18T13:59:0é1Z"));
+    fn client_versions_are_canonical_datetimes() {
+        assert!(is_canonical_datetime("2026-07-18T13:59:01.000000Z"));
+        assert!(!is_canonical_datetime("2026-07-18T13:59:01Z"));
+        assert!(!is_canonical_datetime("2026-07-18T13:59:01.1Z"));
+        assert!(!is_canonical_datetime("2026-07-18T13:59:01.000000+00:00"));
+        assert!(!is_canonical_datetime("2026-07-18 13:59:01.000000Z"));
+        assert!(!is_canonical_datetime("2026-02-30T13:59:01.000000Z"));
+    }
+
+    #[test]
+    fn json_content_keeps_integers_exact() {
+        let json = FieldType::new(PortableType::Json, false);
+        assert!(decode(&json, &wire(r#""{\"n\":9007199254740991}""#)).is_ok());
+        assert!(decode(&json, &wire(r#""{\"n\":-9007199254740991}""#)).is_ok());
+        assert!(decode(&json, &wire(r#""[9007199254740992]""#)).is_err());
+        assert!(decode(&json, &wire(r#""{\"a\":{\"n\":-9007199254740992}}""#)).is_err());
+        // Not integers in canonical text: fractions and exponent forms stay.
+        assert!(decode(&json, &wire(r#""[0.5,1e+21]""#)).is_ok());
     }
 }

@@ -40,7 +40,7 @@ const INSERT: &str = r#"{"mutation_id":"018f2b5e-7c42-7a1d-9d31-8a95bd674011","t
   "op":"insert","client_version":"2026-07-18T13:59:01.000000Z","columns":{"z":1.5,"a":null,"j":"{\"x\":1}"}}"#;
 const EMPTY_INSERT: &str = r#"{"mutation_id":"018f2b5e-7c42-7a1d-9d31-8a95bd674012","table":"t","pk":{"id":7},
   "authored_schema":{"version":8,"hash":"21d56a4f2191820e954f008ea32ba8da8568a952cd01a45fd1a3fe16bbe8aaea"},
-  "op":"insert","client_version":"2026-07-18T13:59:01Z","columns":{}}"#;
+  "op":"insert","client_version":"2026-07-18T13:59:01.000000Z","columns":{}}"#;
 const UPDATE: &str = r#"{"mutation_id":"018f2b5e-7c42-7a1d-9d31-8a95bd674013","table":"t","pk":{"id":"k3"},
   "authored_schema":{"version":7,"hash":"fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210"},
   "op":"update","base_version":"v-3","client_version":"2026-07-18T13:59:02.000000Z","columns":{"title":"x"}}"#;
@@ -55,7 +55,7 @@ fn mutation_fingerprint_preimages_for_every_op_and_presence_form() {
         // Columns sorted by field-ID bytes; the float keeps its JCS form; a json value stays its string.
         format!(r#"["mutation-v1","018f2b5e-7c42-7a1d-9d31-8a95bd674011","t",["id","k1"],["8","{H}"],"insert",[0],"2026-07-18T13:59:01.000000Z",[1,[["a",null],["j","{{\"x\":1}}"],["z",1.5]]]]"#),
         // Empty insert columns are present-and-empty, not absent.
-        format!(r#"["mutation-v1","018f2b5e-7c42-7a1d-9d31-8a95bd674012","t",["id",7],["8","{H}"],"insert",[0],"2026-07-18T13:59:01Z",[1,[]]]"#),
+        format!(r#"["mutation-v1","018f2b5e-7c42-7a1d-9d31-8a95bd674012","t",["id",7],["8","{H}"],"insert",[0],"2026-07-18T13:59:01.000000Z",[1,[]]]"#),
         r#"["mutation-v1","018f2b5e-7c42-7a1d-9d31-8a95bd674013","t",["id","k3"],["7","fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210"],"update",[1,"v-3"],"2026-07-18T13:59:02.000000Z",[1,[["title","x"]]]]"#.to_owned(),
         format!(r#"["mutation-v1","018f2b5e-7c42-7a1d-9d31-8a95bd674014","t",["id","k4"],["8","{H}"],"delete",[1,"v-4"],"2026-07-18T13:59:03.000000Z",[0]]"#),
     ];

@@ -10,7 +10,7 @@ use crate::limits::{
 };
 use crate::manifest::SchemaRef;
 use crate::members::{self, Members, ShapeError};
-use crate::value::is_rfc3339_utc;
+use crate::value::is_canonical_datetime;
 use crate::wire::{PrimaryKey, RowImage, client_identity, parse_body, schema_ref};
 
 /// A structurally valid push request.
@@ -212,10 +212,11 @@ impl Mutation {
         let pk = primary_key(m.take("pk")?)?;
         let authored_schema = schema_ref(&m.take("authored_schema")?, "authored_schema")?;
         let client_version = members::string(m.take("client_version")?, "client_version", 1, 64)?;
-        if !is_rfc3339_utc(&client_version) {
+        // The one datetime form (UTC, exactly microseconds), as the reference requires.
+        if !is_canonical_datetime(&client_version) {
             return Err(ShapeError::member(
                 "client_version",
-                "must be an RFC 3339 UTC timestamp",
+                "must be a UTC timestamp with microseconds",
             ));
         }
         let op_name = m.take("op")?;
