@@ -14,7 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use protocol::error::{ErrorKind, ProtocolError};
-use protocol::limits::MAX_BODY_OCTETS;
+use protocol::limits::{MAX_BODY_OCTETS, RETRY_AFTER_SECONDS};
 
 use crate::auth::Authenticator;
 
@@ -33,6 +33,8 @@ pub fn router(state: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/sync/schema", get(schema))
         .route("/sync/tables", get(tables))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(access_log))
         .with_state(state)
 }
@@ -128,6 +130,24 @@ async fn push(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
     }
 }
 
+/// Every non-200 answer carries the error envelope, unknown routes included.
+fn envelope(status: StatusCode, message: &'static str) -> Response {
+    let mut response = reject(ProtocolError::invalid_request(message));
+    *response.status_mut() = status;
+    response
+}
+
+async fn no_route() -> Response {
+    envelope(StatusCode::NOT_FOUND, "no such route")
+}
+
+async fn wrong_method() -> Response {
+    envelope(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "the route does not take this method",
+    )
+}
+
 async fn ready(State(state): State<AppState>) -> Response {
     let ready = state.engine.ready().await;
     let status = if ready {
@@ -141,10 +161,14 @@ async fn ready(State(state): State<AppState>) -> Response {
         &br#"{"ready":false}"#[..]
     };
     let mut response = (status, body).into_response();
-    response.headers_mut().insert(
+    let headers = response.headers_mut();
+    headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    if !ready {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECONDS));
+    }
     response
 }
 

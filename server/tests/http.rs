@@ -390,6 +390,25 @@ async fn http_against_postgres() {
             .contains(r#""relation":"public.notes""#)
     );
 
+    // Unknown routes and wrong methods answer with the envelope too.
+    for (method, path, status) in [
+        ("GET", "/sync/nothing", 404),
+        ("POST", "/", 404),
+        ("GET", "/sync/push", 405),
+        ("POST", "/ready", 405),
+        ("DELETE", "/sync/connect", 405),
+    ] {
+        let (got, headers_out, b) = request(addr, method, path, &headers, vec![]).await;
+        let (code, e) = error_code(&b);
+        assert_eq!(
+            (got, code.as_str()),
+            (status, "invalid_request"),
+            "{method} {path}"
+        );
+        assert_eq!(e.as_object().unwrap()["retryable"], Value::Bool(false));
+        assert_eq!(headers_out.get("content-type").unwrap(), "application/json");
+    }
+
     // A lost database: 503 temporary_unavailable with Retry-After, and not ready.
     let lost = PgCluster::temp().unwrap();
     let store = example_store(&lost, "gone").await;
@@ -401,8 +420,9 @@ async fn http_against_postgres() {
     assert_eq!((status, code.as_str()), (503, "temporary_unavailable"));
     assert_eq!(e.as_object().unwrap()["retryable"], Value::Bool(true));
     assert_eq!(headers_out.get("retry-after").unwrap(), "5");
-    let (status, _, b) = request(server.addr, "GET", "/ready", &[], vec![]).await;
+    let (status, headers_out, b) = request(server.addr, "GET", "/ready", &[], vec![]).await;
     assert_eq!((status, b.as_slice()), (503, &br#"{"ready":false}"#[..]));
+    assert_eq!(headers_out.get("retry-after").unwrap(), "5");
     h.server.task.abort();
 
     // Logs: request lines, and nothing sensitive.
