@@ -298,6 +298,12 @@ pub(crate) fn store_error(e: StoreError) -> ProtocolError {
         StoreError::Unavailable(_) => {
             ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })
         }
+        // Identities and keys are the only request values read or written
+        // outside a source write (whose refusals are outcomes): a retry of
+        // the same request can never succeed.
+        StoreError::Data(_) => {
+            ProtocolError::invalid_request("a request identity or key cannot be stored")
+        }
         StoreError::Integrity(_) => ProtocolError::new(ErrorKind::SyncIntegrityFailure),
     }
 }
@@ -356,6 +362,27 @@ impl<S: Store> Registry<S> {
         body: &[u8],
         now_micros: i64,
     ) -> Result<ConnectResponse, ProtocolError> {
+        // A first connect that lost the race to bind its new client_id runs
+        // once more: it then finds the winner's binding and is judged by it.
+        for _ in 0..2 {
+            if let Some(r) = self.connect_once(user_id, body, now_micros).await? {
+                return Ok(r);
+            }
+        }
+        // The binding that won was gone again: a retry starts over.
+        Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
+            reason: None,
+        }))
+    }
+
+    /// One attempt in one transaction; `None` when another connect bound
+    /// the new client_id first (this one then wrote nothing).
+    async fn connect_once(
+        &self,
+        user_id: &str,
+        body: &[u8],
+        now_micros: i64,
+    ) -> Result<Option<ConnectResponse>, ProtocolError> {
         // Step 1 of dispatch: bind client_id to the user before anything else.
         // The body is parsed once; a body that is not JSON has no client to bind.
         let parsed = protocol::wire::parse_body(body);
@@ -377,6 +404,7 @@ impl<S: Store> Registry<S> {
         if existing.as_ref().is_some_and(|c| c.retired) {
             return Err(ProtocolError::new(ErrorKind::ClientRetired));
         }
+        let bound = existing.is_some();
         let (mut client, renewed) = self.resolve_generation(user_id, &req, existing)?;
         let authoritative = self.assignment(&mut tx, user_id).await?;
         if authoritative != client.assigned {
@@ -422,16 +450,21 @@ impl<S: Store> Registry<S> {
             ConnectSchema::Fresh => None,
             ConnectSchema::Installed(r) => Some(r),
         };
-        tx.put_client(&client).await.map_err(store_error)?;
+        client.continued |= req.client_generation.is_some();
+        if bound {
+            tx.put_client(&client).await.map_err(store_error)?;
+        } else if !tx.insert_client(&client).await.map_err(store_error)? {
+            return Ok(None);
+        }
         tx.commit().await.map_err(store_error)?;
-        Ok(ConnectResponse {
+        Ok(Some(ConnectResponse {
             server_time: format_server_time(now_micros),
             client_generation: client.generation,
             scope_set_version: client.scope_set_version,
             schema,
             scopes,
             scope_cursor_updates,
-        })
+        }))
     }
 
     /// The client record this connect continues, and whether its generation was renewed.
@@ -450,6 +483,7 @@ impl<S: Store> Registry<S> {
             scope_set_version: 0,
             assigned: BTreeSet::new(),
             accepted_write_epoch: 0,
+            continued: false,
         };
         let sentinel_misuse = || {
             let received = schema_value(&req.schema);
@@ -457,15 +491,15 @@ impl<S: Store> Registry<S> {
                 "a known client identity must present its generation and installed schema",
             )
         };
-        // An identity is known once it has presented a generation and installed
-        // schema (its record then holds that schema). Until then, the identical
-        // fresh request is the retry of a first connect whose response was lost:
-        // it answers again with the same generation (docs/adr/0003).
+        // An identity is known once it has gone on from its first connect: a
+        // continuing connect, or a push. Until then, the identical fresh
+        // request is the retry of a first connect whose response was lost: it
+        // answers again with the same generation (docs/adr/0003).
         let fresh_retry = req.client_generation.is_none()
             && req.schema == ConnectSchema::Fresh
             && existing
                 .as_ref()
-                .is_some_and(|c| c.installed_schema.is_none());
+                .is_some_and(|c| c.installed_schema.is_none() && !c.continued);
         // A known identity must present its generation and a real installed schema.
         if existing.is_some()
             && !fresh_retry
@@ -473,23 +507,19 @@ impl<S: Store> Registry<S> {
         {
             return Err(sentinel_misuse());
         }
-        // No server issues the largest portable integer (counters stop before it),
-        // so presenting it is a malformed request, not an overflow to report as 500.
-        if req.client_generation == Some(MAX_SAFE_INTEGER) {
-            return Err(ProtocolError::invalid_request(
-                "client_generation was never issued",
-            ));
-        }
+        // Generations are the server's own counter: what a client presents
+        // only decides whether it is current, never what comes next.
         match (existing, req.client_generation) {
             // A fresh local client: first generation.
             (None, None) => Ok((fresh_record(1), false)),
-            // A continuing client the server does not know (restored elsewhere): a newer generation.
-            (None, Some(presented)) => Ok((fresh_record(next_counter(presented)?), true)),
+            // A continuing client the server does not know (restored
+            // elsewhere): the first generation, and none of its cursors is ours.
+            (None, Some(_)) => Ok((fresh_record(1), true)),
             (Some(c), None) => Ok((c, false)), // the retry of a fresh first connect
             (Some(c), Some(presented)) if presented == c.generation => Ok((c, false)),
-            // Stale or unknown generation: renew above both.
-            (Some(mut c), Some(presented)) => {
-                c.generation = next_counter(c.generation.max(presented))?;
+            // A stale or never issued generation: the next one of ours.
+            (Some(mut c), Some(_)) => {
+                c.generation = next_counter(c.generation)?;
                 Ok((c, true))
             }
         }

@@ -1,20 +1,19 @@
 //! The push suite on the in-memory store.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use actors::store::MemStore;
 use actors::testkit::{MemWorld, push_suite};
 
 #[tokio::test]
 async fn every_push_outcome_on_memstore() {
     push_suite(&MemWorld {
-        store: MemStore::new(),
+        store: actors::testkit::example_mem_store(0).await,
     })
     .await;
 }
 
 #[tokio::test]
 async fn push_primitives_conformance() {
-    actors::testkit::push_store_suite(&MemStore::new()).await;
+    actors::testkit::push_store_suite(&actors::testkit::example_mem_store(0).await).await;
 }
 
 /// Arbitrary batches (known and unknown tables, fields, keys, schemas,
@@ -30,7 +29,9 @@ async fn arbitrary_batches_get_a_spec_answer() {
     use proptest::test_runner::{Config, TestRunner};
     use protocol::json::{self, Value};
 
-    let engine = Engine::start(MemStore::new(), push_config()).await.unwrap();
+    let engine = Engine::start(actors::testkit::example_mem_store(0).await, push_config())
+        .await
+        .unwrap();
     let c = PushClient::connect(&engine, "u1", "c1").await;
     let value = prop_oneof![
         Just(Value::Null),

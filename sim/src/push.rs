@@ -354,7 +354,8 @@ async fn direct_writer(
 /// Runs a push scenario under the current seed.
 pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     let handle = Handle::current();
-    let store = MemStore::with_seed(thread_rng().r#gen());
+    // The example schema's column types, so pushes are judged as on PostgreSQL.
+    let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
     NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
     let database = remote::database_node(&handle, store.clone());
     let _server = handle

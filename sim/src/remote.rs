@@ -44,6 +44,7 @@ enum Op {
     Manifests,
     InsertManifest(Manifest),
     LockClient(String),
+    InsertClient(ClientRecord),
     PutClient(ClientRecord),
     Grants(String),
     DependencyValues(DependencyAssignment, String),
@@ -73,6 +74,7 @@ enum Answer {
     Manifests(Result<Vec<Manifest>, StoreError>),
     Unit(Result<(), StoreError>),
     Client(Result<Option<ClientRecord>, StoreError>),
+    Inserted(Result<bool, StoreError>),
     Strings(Result<Vec<String>, StoreError>),
     Progress(Result<CaptureProgress, StoreError>),
     Projections(Result<Vec<Projection>, StoreError>),
@@ -344,6 +346,7 @@ async fn transaction(
             Op::Manifests => (Answer::Manifests(tx.manifests().await), false),
             Op::InsertManifest(m) => (Answer::Unit(tx.insert_manifest(&m).await), false),
             Op::LockClient(c) => (Answer::Client(tx.lock_client(&c).await), false),
+            Op::InsertClient(c) => (Answer::Inserted(tx.insert_client(&c).await), false),
             Op::PutClient(c) => (Answer::Unit(tx.put_client(&c).await), false),
             Op::Grants(u) => (Answer::Strings(tx.grants(&u).await), false),
             Op::DependencyValues(d, u) => {
@@ -673,6 +676,13 @@ impl StoreTx for RemoteTx {
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
         match self.call(Op::LockClient(client_id.to_owned())).await? {
             Answer::Client(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
+        match self.call(Op::InsertClient(c.clone())).await? {
+            Answer::Inserted(r) => r,
             _ => Err(mismatch()),
         }
     }

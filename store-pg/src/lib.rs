@@ -14,6 +14,7 @@ mod ledger;
 mod materialized;
 pub mod pgoutput;
 mod push;
+mod sqlstate;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -49,28 +50,8 @@ pub struct PgStore {
     writes: push::WriteCatalog,
 }
 
-/// Maps a driver error: transient ones are retryable, the rest are integrity failures.
-fn db_error(e: sqlx::Error) -> StoreError {
-    match &e {
-        sqlx::Error::Database(d)
-            if d.code()
-                .is_some_and(|c| c.starts_with("40") || c == "23505") =>
-        {
-            StoreError::Unavailable(format!(
-                "retryable database conflict ({})",
-                d.code().unwrap_or_default()
-            ))
-        }
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::Tls(_) => StoreError::Unavailable("database connection failed".into()),
-        sqlx::Error::Database(d) => {
-            StoreError::Unavailable(format!("database error {}", d.code().unwrap_or_default()))
-        }
-        _ => StoreError::Integrity(format!("unexpected database result: {e}")),
-    }
-}
+/// Every driver error becomes a store failure in one place (`sqlstate`).
+use sqlstate::store_error as db_error;
 
 impl PgStore {
     /// Connects a pool and applies the migrations. The replication
@@ -223,7 +204,7 @@ impl StoreTx for PgTx {
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-               accepted_write_epoch \
+               accepted_write_epoch, continued \
              FROM synchro.clients WHERE client_id = $1 FOR UPDATE",
         )
         .bind(client_id)
@@ -254,20 +235,19 @@ impl StoreTx for PgTx {
                 .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
                 .collect::<Result<BTreeSet<_>, _>>()?,
             accepted_write_epoch: counter(r.try_get(7).map_err(db_error)?, "accepted_write_epoch")?,
+            continued: r.try_get(8).map_err(db_error)?,
         }))
     }
 
-    async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
+    async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
         let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
-        sqlx::query(
+        // A concurrent insert of the same ID waits for the other transaction,
+        // then inserts nothing once that one commits.
+        let done = sqlx::query(
             "INSERT INTO synchro.clients \
                (client_id, user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-                accepted_write_epoch) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
-             ON CONFLICT (client_id) DO UPDATE SET user_id = EXCLUDED.user_id, generation = EXCLUDED.generation, \
-               retired = EXCLUDED.retired, installed_version = EXCLUDED.installed_version, \
-               installed_hash = EXCLUDED.installed_hash, scope_set_version = EXCLUDED.scope_set_version, \
-               assigned = EXCLUDED.assigned, accepted_write_epoch = EXCLUDED.accepted_write_epoch",
+                accepted_write_epoch, continued) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (client_id) DO NOTHING",
         )
         .bind(&c.client_id)
         .bind(&c.user_id)
@@ -278,9 +258,39 @@ impl StoreTx for PgTx {
         .bind(c.scope_set_version as i64)
         .bind(&assigned)
         .bind(c.accepted_write_epoch as i64)
+        .bind(c.continued)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
+        let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
+        let done = sqlx::query(
+            "UPDATE synchro.clients SET generation = $3, retired = $4, installed_version = $5, \
+               installed_hash = $6, scope_set_version = $7, assigned = $8, accepted_write_epoch = $9, \
+               continued = $10 \
+             WHERE client_id = $1 AND user_id = $2",
+        )
+        .bind(&c.client_id)
+        .bind(&c.user_id)
+        .bind(c.generation as i64)
+        .bind(c.retired)
+        .bind(c.installed_schema.map(|s| s.version as i64))
+        .bind(c.installed_schema.map(|s| s.hash.to_hex()))
+        .bind(c.scope_set_version as i64)
+        .bind(&assigned)
+        .bind(c.accepted_write_epoch as i64)
+        .bind(c.continued)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if done.rows_affected() != 1 {
+            return Err(StoreError::Integrity(
+                "a client record replaced without its binding".into(),
+            ));
+        }
         Ok(())
     }
 

@@ -13,16 +13,21 @@ use std::sync::{Arc, RwLock};
 use actors::ledger::contract::{
     FoundRow, Refusal, RowWrite, VersionRecord, WriteResult, WriteTarget, Writer,
 };
+use actors::ledger::intake::keeps_as_given;
 use actors::store::StoreError;
 use sqlx::Row;
 
+use crate::sqlstate::refusal;
 use crate::{PgStore, PgTx, db_error};
 
 /// What writing a relation needs from the catalog.
 #[derive(Debug)]
 pub(crate) struct RelationTypes {
-    /// Column -> base type name (`format_type` without modifier).
+    /// Column -> base type name (`format_type` without modifier), for casts.
     types: HashMap<String, String>,
+    /// Column -> declared type (`format_type` with its modifier), for
+    /// [`keeps_as_given`].
+    declared: HashMap<String, String>,
     /// The primary key constraint: a violation of it is a taken key.
     pk_constraint: String,
 }
@@ -113,18 +118,22 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
     }
     let mut catalog = HashMap::new();
     for t in targets {
-        let types = sqlx::query(
-            "SELECT a.attname::text, format_type(a.atttypid, NULL) FROM pg_attribute a \
+        let columns = sqlx::query(
+            "SELECT a.attname::text, format_type(a.atttypid, NULL), \
+                    format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
              WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped",
         )
         .bind(&t.relation)
         .fetch_all(pool)
         .await
-        .map_err(|e| install_error("reading column types", e))?
-        .into_iter()
-        .map(|r| Ok((r.try_get(0)?, base_type(r.try_get(1)?))))
-        .collect::<Result<HashMap<String, String>, sqlx::Error>>()
-        .map_err(db_error)?;
+        .map_err(|e| install_error("reading column types", e))?;
+        let mut types = HashMap::new();
+        let mut declared = HashMap::new();
+        for r in columns {
+            let column: String = r.try_get(0).map_err(db_error)?;
+            types.insert(column.clone(), base_type(r.try_get(1).map_err(db_error)?));
+            declared.insert(column, r.try_get(2).map_err(db_error)?);
+        }
         let pk_constraint: String = sqlx::query_scalar(
             "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass AND contype = 'p'",
         )
@@ -144,6 +153,7 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
             t.relation.clone(),
             Arc::new(RelationTypes {
                 types,
+                declared,
                 pk_constraint,
             }),
         );
@@ -170,35 +180,6 @@ fn base_type(format_type: String) -> String {
 const WRITE_SAVEPOINT: &str = "synchro_write";
 const GROUP_SAVEPOINT: &str = "synchro_group";
 
-/// How the source refused a statement; `None` for an operational failure.
-fn refusal(e: &sqlx::Error, pk_constraint: &str) -> Option<Refusal> {
-    let sqlx::Error::Database(d) = e else {
-        return None;
-    };
-    let code = d.code()?;
-    Some(match code.as_ref() {
-        // Row security (WITH CHECK, or a policy on RETURNING), missing privilege.
-        "42501" => Refusal::Policy,
-        // An exception raised by a trigger of the application: its write policy.
-        "P0001" => Refusal::Policy,
-        "23505" if d.constraint() == Some(pk_constraint) => Refusal::DuplicateKey,
-        c if c.starts_with("23") || c.starts_with("22") => Refusal::Constraint,
-        _ => return None,
-    })
-}
-
-/// The text form a key takes in `synchro.row_versions` (PostgreSQL's
-/// output); `None` when the column type cannot hold it at all.
-fn canonical_key(ty: &str, key: &str) -> Option<String> {
-    match ty {
-        "smallint" => key.parse::<i16>().ok().map(|v| v.to_string()),
-        "integer" => key.parse::<i32>().ok().map(|v| v.to_string()),
-        "bigint" => key.parse::<i64>().ok().map(|v| v.to_string()),
-        "uuid" => uuid::Uuid::parse_str(key).ok().map(|u| u.to_string()),
-        _ => Some(key.to_owned()),
-    }
-}
-
 /// A column of `alias` in its type's output form, which is what pgoutput
 /// sends to capture. A text cast is not always that: a boolean casts to
 /// `true` but prints `t`, and a `char(n)` cast drops its padding.
@@ -223,6 +204,27 @@ impl PgTx {
             .get(column)
             .map(String::as_str)
             .ok_or_else(|| StoreError::Integrity("a synced column is missing".into()))
+    }
+
+    /// Whether every value would be stored as given (see [`keeps_as_given`]).
+    fn values_kept(
+        &self,
+        r: &RelationTypes,
+        values: &[(String, Option<String>)],
+    ) -> Result<bool, StoreError> {
+        for (column, value) in values {
+            let declared = r
+                .declared
+                .get(column)
+                .ok_or_else(|| StoreError::Integrity("a synced column is missing".into()))?;
+            if value
+                .as_deref()
+                .is_some_and(|v| !keeps_as_given(declared, v))
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Runs statements without parameters in one round trip. Boxed: the
@@ -278,9 +280,17 @@ impl PgTx {
     ) -> Result<Vec<FoundRow>, StoreError> {
         let rel = self.relation(target)?;
         let pk_type = self.type_of(&rel, &target.primary_key)?.to_owned();
-        let canonical: Vec<Option<String>> =
-            keys.iter().map(|k| canonical_key(&pk_type, k)).collect();
-        let castable: Vec<&String> = canonical.iter().flatten().collect();
+        // A key its column would refuse or store in another spelling names no
+        // row the client can ever hold: the request is invalid (400).
+        let pk_declared = rel
+            .declared
+            .get(&target.primary_key)
+            .ok_or_else(|| StoreError::Integrity("the key column is missing".into()))?;
+        if !keys.iter().all(|k| keeps_as_given(pk_declared, k)) {
+            return Err(StoreError::Data(
+                "a primary key is not a value its column keeps as given".into(),
+            ));
+        }
         let mut columns = Vec::new();
         for c in &target.columns {
             columns.push(select_text("r", c));
@@ -294,7 +304,7 @@ impl PgTx {
         );
         let rows = sqlx::query(&sql)
             .persistent(false)
-            .bind(&castable)
+            .bind(keys)
             .fetch_all(&mut *self.tx)
             .await
             .map_err(db_error)?;
@@ -318,7 +328,7 @@ impl PgTx {
         // chosen while the table was small.
         .persistent(false)
         .bind(&target.table_id)
-        .bind(&castable)
+        .bind(keys)
         .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?
@@ -336,11 +346,10 @@ impl PgTx {
         .map_err(db_error)?;
         Ok(keys
             .iter()
-            .zip(&canonical)
-            .map(|(key, c)| FoundRow {
+            .map(|key| FoundRow {
                 key: key.clone(),
-                visible: c.as_ref().and_then(|c| visible.get(c).cloned()),
-                version: c.as_ref().and_then(|c| versions.get(c).cloned()),
+                visible: visible.get(key).cloned(),
+                version: versions.get(key).cloned(),
             })
             .collect())
     }
@@ -393,6 +402,9 @@ impl PgTx {
                 &[][..],
             ),
         };
+        if !self.values_kept(&rel, values)? {
+            return Ok(WriteResult::Refused(Refusal::Constraint));
+        }
         self.open_write().await?;
         let mut q = sqlx::query(&sql).bind(key);
         for (_, v) in values {
@@ -419,8 +431,6 @@ impl PgTx {
         for c in &target.columns {
             columns.push(select_text("r", c));
         }
-        let canonical = canonical_key(&pk_type, key)
-            .ok_or_else(|| StoreError::Integrity("a written key cannot be read back".into()))?;
         let sql = format!(
             "SELECT v.version, r.\"{pk}\" IS NOT NULL, {} FROM synchro.row_versions v \
              LEFT JOIN {} r ON r.\"{pk}\" = {} WHERE v.table_id = $2 AND v.key = $3",
@@ -431,7 +441,7 @@ impl PgTx {
         let row = sqlx::query(&sql)
             .bind(key)
             .bind(&target.table_id)
-            .bind(&canonical)
+            .bind(key)
             .fetch_optional(&mut *self.tx)
             .await
             .map_err(db_error)?
@@ -488,6 +498,13 @@ impl PgTx {
             {
                 Some((_, _, rows)) => rows.push(i),
                 None => groups.push((kind, columns, vec![i])),
+            }
+        }
+        for (_, w) in writes {
+            if let RowWrite::Insert { values } | RowWrite::Update { values } = w
+                && !self.values_kept(&rel, values)?
+            {
+                return Ok(None); // the per-row path refuses that one
             }
         }
         self.open_write().await?;
@@ -561,11 +578,7 @@ impl PgTx {
         for c in &target.columns {
             columns.push(select_text("r", c));
         }
-        let canonical: Vec<String> = writes
-            .iter()
-            .map(|(k, _)| canonical_key(&pk_type, k))
-            .collect::<Option<_>>()
-            .ok_or_else(|| StoreError::Integrity("a written key cannot be read back".into()))?;
+        let keys: Vec<&str> = writes.iter().map(|(k, _)| k.as_str()).collect();
         let sql = format!(
             "SELECT q.k, v.version, r.\"{pk}\" IS NOT NULL, {} FROM unnest($1::text[]) AS q(k) \
              JOIN synchro.row_versions v ON v.table_id = $2 AND v.key = q.k \
@@ -574,7 +587,7 @@ impl PgTx {
         );
         let found = sqlx::query(&sql)
             .persistent(false)
-            .bind(&canonical)
+            .bind(&keys)
             .bind(&target.table_id)
             .fetch_all(&mut *self.tx)
             .await
@@ -594,7 +607,7 @@ impl PgTx {
             by_key.insert(key, (version, exists.then_some(image)));
         }
         let mut results = Vec::with_capacity(writes.len());
-        for ((_, w), key) in writes.iter().zip(&canonical) {
+        for ((_, w), key) in writes.iter().zip(keys) {
             let Some((version, image)) = by_key.remove(key) else {
                 return Err(StoreError::Integrity("a written row has no version".into()));
             };

@@ -347,3 +347,46 @@ async fn pgoutput_from_a_real_slot() {
         }
     }
 }
+
+/// Two users' first connects for one new client_id, at the same moment:
+/// exactly one is bound, the other gets 401, and the binding never moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_connects_bind_exactly_one_user() {
+    use actors::Engine;
+    use actors::testkit::ConnectBody;
+    use protocol::json;
+
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "binding_race").await;
+    let engine = Engine::start(store, example_config(|s| s)).await.unwrap();
+    const ROUNDS: usize = 40;
+    for round in 0..ROUNDS {
+        let client_id = format!("race-{round}");
+        let body = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
+        let first = |user: &'static str| {
+            let (engine, body) = (engine.clone(), body.clone());
+            tokio::spawn(async move { engine.connect(user, body, 0).await })
+        };
+        let (alice, bob) = (first("alice"), first("bob"));
+        let (alice, bob) = (alice.await.unwrap(), bob.await.unwrap());
+        let mut statuses = [alice.status, bob.status];
+        statuses.sort_unstable();
+        assert_eq!(statuses, [200, 401], "round {round}");
+        let (winner, loser) = if alice.status == 200 {
+            ("alice", "bob")
+        } else {
+            ("bob", "alice")
+        };
+        // The binding holds: the winner goes on, the loser is refused again.
+        let won = json::parse(if alice.status == 200 {
+            &alice.body
+        } else {
+            &bob.body
+        })
+        .unwrap();
+        let next = json::to_canonical(&ConnectBody::after(&client_id, &won).to_json());
+        assert_eq!(engine.connect(winner, next.clone(), 0).await.status, 200);
+        assert_eq!(engine.connect(loser, body.clone(), 0).await.status, 401);
+        assert_eq!(engine.connect(loser, next, 0).await.status, 401);
+    }
+}

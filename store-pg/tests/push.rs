@@ -439,7 +439,8 @@ async fn concurrent_pushes() {
 }
 
 /// Values are cast to the column's type without its modifier, then assigned:
-/// a value too long for `varchar(5)` fails instead of being cut.
+/// a value too long for `varchar(5)` fails instead of being cut, and one
+/// that `char(4)` would pad fails instead of being padded.
 #[tokio::test]
 async fn values_are_checked_never_truncated() {
     let cluster = PgCluster::temp().unwrap();
@@ -485,6 +486,14 @@ async fn values_are_checked_never_truncated() {
                     s,
                     "insert",
                     None,
+                    Some(with_body("abc", "wxyz")),
+                ),
+                note_mutation(
+                    4,
+                    &note_id(4),
+                    s,
+                    "insert",
+                    None,
                     Some(with_body("abc", "xy")),
                 ),
             ],
@@ -506,10 +515,11 @@ async fn values_are_checked_never_truncated() {
         .unwrap()
         .clone();
     assert_eq!(row["fld_notes_title"].as_str(), Some("abc"));
+    assert_eq!(row["fld_notes_body"].as_str(), Some("wxyz"));
+    // char(4) would pad a shorter value: a silent rewrite, so it is refused.
     assert_eq!(
-        row["fld_notes_body"].as_str(),
-        Some("xy  "),
-        "char(4) pads, as stored"
+        code(&outcome(&r, 4).1).as_deref(),
+        Some("validation_failed")
     );
 }
 

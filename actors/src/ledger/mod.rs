@@ -11,6 +11,7 @@
 pub mod contract;
 pub mod evaluate;
 mod execute;
+pub mod intake;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -277,8 +278,13 @@ impl<S: Store> Ledger<S> {
                 .collect(),
         };
         tx.record_push(&record).await.map_err(store_error)?;
+        // A push closes the replay of the client's first connect.
+        let first_use = !client.continued;
+        client.continued = true;
         if applied {
             client.accepted_write_epoch = next_counter(client.accepted_write_epoch)?;
+        }
+        if applied || first_use {
             tx.put_client(&client).await.map_err(store_error)?;
         }
         tx.commit().await.map_err(store_error)?;

@@ -23,11 +23,15 @@ use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 
-/// A store operation failed. Both kinds roll the transaction back.
+/// A store operation failed. Every kind rolls the transaction back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StoreError {
-    /// A transient failure (connection lost, serialization failure): retryable 503.
+    /// An operational failure a retry can cure (connection lost, serialization
+    /// failure, resources exhausted, shutdown): retryable 503.
     Unavailable(String),
+    /// The request carried a value the database cannot hold (invalid text, a
+    /// number out of range, a non-canonical spelling): terminal, never retried.
+    Data(String),
     /// Durable state violates an invariant: 500 `sync_integrity_failure`.
     Integrity(String),
 }
@@ -36,6 +40,7 @@ impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
+            StoreError::Data(m) => write!(f, "store refused a request value: {m}"),
             StoreError::Integrity(m) => write!(f, "store integrity: {m}"),
         }
     }
@@ -61,6 +66,9 @@ pub struct ClientRecord {
     pub assigned: BTreeSet<ScopeId>,
     /// Steps by one with every push that applied a write.
     pub accepted_write_epoch: u64,
+    /// The client went on from its first connect (a continuing connect, or a
+    /// push): a repeat of that first connect no longer replays it.
+    pub continued: bool,
 }
 
 /// A database handle that opens transactions.
@@ -115,7 +123,16 @@ pub trait StoreTx: Send {
         client_id: &str,
     ) -> impl Future<Output = Result<Option<ClientRecord>, StoreError>> + Send;
 
-    /// Inserts or replaces the client's record.
+    /// Binds a new client ID to its user with this record. `false`, changing
+    /// nothing, when the ID is bound already (a concurrent first connect won):
+    /// a binding is never rewritten.
+    fn insert_client(
+        &mut self,
+        c: &ClientRecord,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Replaces the record of a bound client (same ID, same user); a record
+    /// that does not exist is an integrity failure.
     fn put_client(
         &mut self,
         c: &ClientRecord,

@@ -28,6 +28,22 @@ pub fn example_config(edit: impl Fn(String) -> String) -> SyncConfig {
     SyncConfig::from_toml(&edit(EXAMPLE_CONFIG.to_owned())).unwrap()
 }
 
+/// The column types of `examples/notes/schema.sql` that store a value
+/// differently from its text, for MemStore to keep what PostgreSQL keeps.
+pub const EXAMPLE_COLUMN_TYPES: [(&str, &str, &str); 2] = [
+    ("public.notes", "id", "uuid"),
+    ("public.note_shares", "note_id", "uuid"),
+];
+
+/// An empty MemStore whose source columns have the example schema's types.
+pub async fn example_mem_store(seed: u64) -> crate::store::MemStore {
+    let store = crate::store::MemStore::with_seed(seed);
+    for (relation, column, ty) in EXAMPLE_COLUMN_TYPES {
+        store.declare_column_type(relation, column, ty).await;
+    }
+    store
+}
+
 /// One running engine with its own empty database.
 #[allow(async_fn_in_trait)]
 pub trait Harness {
@@ -336,6 +352,19 @@ async fn fresh_sentinel_rules<F: HarnessFactory>(f: &F) {
     }
     let (status, code, _) = fails(&mut h, "alice", &v).await;
     assert_eq!((status, code.as_str()), (400, "invalid_request"));
+    // Identities no database can store: a terminal 400, never a 503 that a
+    // client would retry for ever.
+    for (user, client) in [("alice", "c\u{0}4"), ("al\u{0}ice", "c5")] {
+        for _ in 0..2 {
+            let body = ConnectBody::fresh(client).to_json();
+            let (status, code, _) = fails(&mut h, user, &body).await;
+            assert_eq!(
+                (status, code.as_str()),
+                (400, "invalid_request"),
+                "{user:?} {client:?}"
+            );
+        }
+    }
 }
 
 async fn compatibility_gates<F: HarnessFactory>(f: &F) {
@@ -610,23 +639,42 @@ async fn generation_renewal<F: HarnessFactory>(f: &F) {
     let mut stale = ConnectBody::after("c1", &first);
     stale.generation = Some(7); // not the current generation (1)
     stale.known[0].1 = Some("opaque-cursor".into());
+    // The next generation is the server's own next one, whatever was presented.
     let r = ok(&mut h, "alice", &stale).await;
-    assert_eq!(member(&r, &["client_generation"]), &Value::int(8));
+    assert_eq!(member(&r, &["client_generation"]), &Value::int(2));
     let updates = json::to_canonical_string(member(&r, &["scope_cursor_updates"]));
     assert_eq!(updates, format!(r#"{{"{}":null}}"#, stale.known[0].0));
     // The new generation is current from then on.
     let next = ok(&mut h, "alice", &ConnectBody::after("c1", &r)).await;
-    assert_eq!(member(&next, &["client_generation"]), &Value::int(8));
-    // The largest portable integer was never issued: 400, not an overflow.
-    let mut never = ConnectBody::after("c1", &r);
-    never.generation = Some(9_007_199_254_740_991);
-    let (status, code, _) = fails(&mut h, "alice", &never.to_json()).await;
-    assert_eq!((status, code.as_str()), (400, "invalid_request"));
-    // A restored client unknown to the server gets a newer generation than it presented.
-    let mut restored = ConnectBody::after("c2", &first);
-    restored.generation = Some(3);
-    let r = ok(&mut h, "alice", &restored).await;
-    assert_eq!(member(&r, &["client_generation"]), &Value::int(4));
+    assert_eq!(member(&next, &["client_generation"]), &Value::int(2));
+    // A generation at the edge of the portable range was never issued: it
+    // renews like any other, and the generation issued is usable.
+    for presented in [9_007_199_254_740_990, 9_007_199_254_740_991] {
+        let mut edge = ConnectBody::after("c1", &next);
+        edge.generation = Some(presented);
+        let r = ok(&mut h, "alice", &edge).await;
+        let issued = member(&r, &["client_generation"]).clone();
+        assert!(
+            issued == Value::int(3) || issued == Value::int(4),
+            "{issued:?}"
+        );
+        let again = ok(&mut h, "alice", &ConnectBody::after("c1", &r)).await;
+        assert_eq!(member(&again, &["client_generation"]), &issued);
+        assert_eq!(action(&again), "none");
+    }
+    // A restored client unknown to the server starts at the server's first
+    // generation, whatever it presented, and its cursors are not honoured.
+    for (client, presented) in [("c2", 3), ("c3", 9_007_199_254_740_990)] {
+        let mut restored = ConnectBody::after(client, &first);
+        restored.generation = Some(presented);
+        restored.known[0].1 = Some("opaque-cursor".into());
+        let r = ok(&mut h, "alice", &restored).await;
+        assert_eq!(member(&r, &["client_generation"]), &Value::int(1));
+        let updates = json::to_canonical_string(member(&r, &["scope_cursor_updates"]));
+        assert_eq!(updates, format!(r#"{{"{}":null}}"#, restored.known[0].0));
+        let again = ok(&mut h, "alice", &ConnectBody::after(client, &r)).await;
+        assert_eq!(member(&again, &["client_generation"]), &Value::int(1));
+    }
 }
 
 /// A store whose operator-side tables the conformance suite can write.
@@ -710,15 +758,36 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
             .map(|s| ScopeId::parse(s).unwrap())
             .collect(),
         accepted_write_epoch: 7,
+        continued: true,
     };
     let mut tx = store.begin().await.unwrap();
-    tx.put_client(&client).await.unwrap();
+    assert!(tx.insert_client(&client).await.unwrap());
     drop(tx);
     let mut tx = store.begin().await.unwrap();
     assert_eq!(tx.lock_client("c1").await.unwrap(), None);
+    // A record replaces only a binding that exists.
+    assert!(matches!(
+        tx.put_client(&client).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
     // A committed one is read back exactly, and replaced by a later put.
-    tx.put_client(&client).await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.insert_client(&client).await.unwrap());
     tx.commit().await.unwrap();
+    // A binding is never rewritten: another user's insert of the ID changes
+    // nothing, and neither does a put under another user.
+    let mut tx = store.begin().await.unwrap();
+    let stolen = ClientRecord {
+        user_id: "u2".into(),
+        ..client.clone()
+    };
+    assert!(!tx.insert_client(&stolen).await.unwrap());
+    assert!(matches!(
+        tx.put_client(&stolen).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
     let mut tx = store.begin().await.unwrap();
     assert_eq!(tx.lock_client("c1").await.unwrap(), Some(client.clone()));
     let changed = ClientRecord {
@@ -728,6 +797,7 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
         scope_set_version: 2,
         assigned: BTreeSet::new(),
         accepted_write_epoch: 8,
+        continued: false,
         ..client.clone()
     };
     tx.put_client(&changed).await.unwrap();

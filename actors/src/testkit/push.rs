@@ -258,6 +258,33 @@ fn error_code(v: &Value) -> String {
         .to_owned()
 }
 
+/// The identical fresh first connect replays until the client goes on; a
+/// push is going on, so the sentinel is then refused (spec: Connect).
+async fn first_connect_replay_closes_with_a_push(engine: &Engine) {
+    let fresh = json::to_canonical(&ConnectBody::fresh("c-sentinel").to_json());
+    let c = PushClient::connect(engine, "u1", "c-sentinel").await;
+    let again = engine.connect("u1", fresh.clone(), NOW).await;
+    assert_eq!(again.status, 200, "the retry of a lost first connect");
+    // Even a push that applies nothing uses the generation.
+    let unsynced = mutation(
+        990,
+        "tbl_nope",
+        ("fld_x", "k"),
+        &c.schema,
+        "insert",
+        None,
+        Some(json::object([])),
+    );
+    let (st, _, _) = c.push(&c.batch(990, vec![unsynced], false)).await;
+    assert_eq!(st, 200);
+    let refused = engine.connect("u1", fresh, NOW).await;
+    let body = json::parse(&refused.body).unwrap();
+    assert_eq!(
+        (refused.status, error_code(&body).as_str()),
+        (400, "invalid_schema_reference")
+    );
+}
+
 async fn current_manifest<S: Store>(store: &S) -> Manifest {
     let mut tx = store.begin().await.unwrap();
     tx.manifests().await.unwrap().pop().unwrap()
@@ -275,6 +302,7 @@ pub async fn push_suite<W: CaptureWorld>(world: &W) {
     let c = PushClient::connect(&engine, "u1", "c1").await;
     let s = &c.schema;
     let n1 = note_id(1);
+    first_connect_replay_closes_with_a_push(&engine).await;
 
     // Insert: applied, with the server's owner and lifecycle values and a checksum.
     let body = c.batch(
@@ -818,6 +846,47 @@ async fn request_errors<S: Store>(store: &S, c: &PushClient) {
         let (st, r, _) = gone.push(&body).await;
         assert_eq!((st, error_code(&r).as_str()), (409, "client_retired"));
     }
+    // A key the database would store in another spelling, or cannot store
+    // at all, is an invalid request, answered the same on every retry (never
+    // a 503 that a sealed batch would be retried on for ever).
+    let upper = "018F2B5E-7C42-7A1D-9D31-8A95BD6740AB";
+    let nul = format!("{}\0", note_id(949));
+    for key in [upper, nul.as_str(), "not-a-uuid"] {
+        let bad = vec![note_mutation(
+            949,
+            key,
+            s,
+            "insert",
+            None,
+            Some(note_columns("k")),
+        )];
+        for _ in 0..2 {
+            let (st, r, _) = c.push(&c.batch(949, bad.clone(), false)).await;
+            assert_eq!(
+                (st, error_code(&r).as_str()),
+                (400, "invalid_request"),
+                "{key:?}"
+            );
+        }
+    }
+    // A column value the database cannot hold is that mutation's terminal
+    // outcome; the rest of the batch proceeds.
+    let cols = |title: &str| {
+        json::object([
+            ("fld_notes_title", Value::string(title)),
+            ("fld_notes_pinned", Value::Bool(false)),
+        ])
+    };
+    let mixed = vec![
+        note_mutation(950, &note_id(950), s, "insert", None, Some(cols("a\0b"))),
+        note_mutation(951, &note_id(951), s, "insert", None, Some(cols("fine"))),
+    ];
+    let (st, r, _) = c.push(&c.batch(950, mixed, false)).await;
+    assert_eq!(st, 200);
+    let (accepted, o) = outcome(&r, 950);
+    assert!(!accepted);
+    assert_eq!(members(&o)["code"], Value::string("validation_failed"));
+    assert!(outcome(&r, 951).0);
     // A failed request did no work: the same mutations now execute.
     let (st, r, _) = c.push(&c.batch(46, one(44), false)).await;
     assert_eq!(st, 200);
@@ -1080,7 +1149,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
         LedgerEntries, PushRecord, Refusal, RowWrite, StoredBatch, StoredMutation, WriteResult,
         Writer,
     };
-    use crate::store::StoreError;
+    use crate::store::{ClientRecord, StoreError};
     use protocol::ids::CanonicalUuid;
 
     let config = push_config();
@@ -1241,5 +1310,54 @@ pub async fn push_store_suite<S: Store>(store: &S) {
         found[1].visible.as_ref().unwrap()["title"].as_deref(),
         Some("two")
     );
+    tx.commit().await.unwrap();
+
+    // Values the database cannot keep as given. A key is refused for the
+    // whole request (the uuid key column prints lowercase only, and no
+    // text holds U+0000); a column value is refused for its write.
+    let upper = "018F2B5E-7C42-7A1D-9D31-8A95BD6740AB".to_owned();
+    for key in [upper, format!("{k1}\0"), "not-a-uuid".to_owned()] {
+        let mut tx = store.begin().await.unwrap();
+        let got = tx.find_rows(notes, &[key]).await;
+        assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");
+    }
+    let mut tx = store.begin().await.unwrap();
+    tx.begin_writes(&writer).await.unwrap();
+    let nul = RowWrite::Update {
+        values: vec![("title".to_owned(), Some("a\0b".to_owned()))],
+    };
+    assert_eq!(
+        tx.write_row(notes, &k1, &nul).await.unwrap(),
+        WriteResult::Refused(Refusal::Constraint)
+    );
+    assert_eq!(
+        tx.write_rows(notes, &[(k1.clone(), nul)]).await.unwrap(),
+        None
+    );
+    tx.end_writes().await.unwrap();
+    drop(tx);
+    // Identities: a client ID or user ID with U+0000 cannot be stored.
+    let mut tx = store.begin().await.unwrap();
+    let got = tx.lock_client("c\0").await;
+    assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    let mut client = ClientRecord {
+        user_id: "u\0".into(),
+        client_id: "c-nul-user".into(),
+        generation: 1,
+        retired: false,
+        installed_schema: None,
+        scope_set_version: 0,
+        assigned: Default::default(),
+        accepted_write_epoch: 0,
+        continued: false,
+    };
+    let got = tx.insert_client(&client).await;
+    assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");
+    drop(tx);
+    client.user_id = "u1".into();
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.insert_client(&client).await.unwrap());
     tx.commit().await.unwrap();
 }

@@ -81,6 +81,9 @@ pub(super) struct CaptureState {
     pub pending_fences: BTreeMap<u64, String>,
     /// The client whose push is writing (`synchro.client_id`), within one transaction.
     pub writer: Option<String>,
+    /// Declared PostgreSQL column types, by (relation, column); a column
+    /// not named here is `text`.
+    pub column_types: BTreeMap<(String, String), String>,
     /// Transactions delivered by feeds, redeliveries included.
     pub deliveries: u64,
 }
@@ -110,6 +113,7 @@ impl CaptureState {
             pending_fences: BTreeMap::new(),
             writer: None,
             deliveries: 0,
+            column_types: BTreeMap::new(),
         }
     }
 

@@ -102,6 +102,15 @@ impl MemStore {
         self.state.lock().await.capture.fences_done.clone()
     }
 
+    /// Declares a column's PostgreSQL type (`format_type` with its modifier,
+    /// as `CREATE TABLE` would); push writes then keep only what it keeps.
+    pub async fn declare_column_type(&self, relation: &str, column: &str, column_type: &str) {
+        self.state.lock().await.capture.column_types.insert(
+            (relation.to_owned(), column.to_owned()),
+            column_type.to_owned(),
+        );
+    }
+
     /// Adds a row to `synchro.scope_grants` (what an operator's SQL would do).
     pub async fn grant(&self, user_id: &str, scope_id: &str) {
         self.state
@@ -232,15 +241,34 @@ impl StoreTx for MemTx {
     }
 
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
+        storable(&[client_id])?;
         Ok(self.work.clients.get(client_id).cloned())
     }
 
-    async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
+    async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
+        storable(&[&c.client_id, &c.user_id])?;
+        if self.work.clients.contains_key(&c.client_id) {
+            return Ok(false);
+        }
         self.work.clients.insert(c.client_id.clone(), c.clone());
-        Ok(())
+        Ok(true)
+    }
+
+    async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
+        storable(&[&c.client_id, &c.user_id])?;
+        match self.work.clients.get_mut(&c.client_id) {
+            Some(bound) if bound.user_id == c.user_id => {
+                *bound = c.clone();
+                Ok(())
+            }
+            _ => Err(StoreError::Integrity(
+                "a client record replaced without its binding".into(),
+            )),
+        }
     }
 
     async fn grants(&mut self, user_id: &str) -> Result<Vec<String>, StoreError> {
+        storable(&[user_id])?;
         Ok(self
             .work
             .grants
@@ -353,7 +381,7 @@ impl StoreTx for MemTx {
         target: &WriteTarget,
         keys: &[String],
     ) -> Result<Vec<FoundRow>, StoreError> {
-        Ok(MemTx::find_rows(self, target, keys))
+        MemTx::find_rows(self, target, keys)
     }
 
     async fn write_row(
@@ -421,4 +449,14 @@ impl StoreTx for MemTx {
         }
         Ok(())
     }
+}
+
+/// PostgreSQL text cannot hold U+0000: a request value with one is refused.
+fn storable(texts: &[&str]) -> Result<(), StoreError> {
+    if texts.iter().any(|t| t.contains('\0')) {
+        return Err(StoreError::Data(
+            "the database refused a value (22021)".into(),
+        ));
+    }
+    Ok(())
 }

@@ -12,6 +12,7 @@ use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, StoredBatch, StoredMutation,
     VersionRecord, WriteResult, WriteTarget, Writer,
 };
+use crate::ledger::intake::keeps_as_given;
 use crate::store::StoreError;
 
 /// (user, client, id): ledger identities are scoped to the authenticated client.
@@ -73,14 +74,42 @@ impl MemTx {
         self.work.capture.writer = None;
     }
 
-    pub(super) fn find_rows(&self, target: &WriteTarget, keys: &[String]) -> Vec<FoundRow> {
-        keys.iter()
+    pub(super) fn find_rows(
+        &self,
+        target: &WriteTarget,
+        keys: &[String],
+    ) -> Result<Vec<FoundRow>, StoreError> {
+        let pk_type = self.column_type(&target.relation, &target.primary_key);
+        if !keys.iter().all(|k| keeps_as_given(pk_type, k)) {
+            return Err(StoreError::Data(
+                "a primary key is not a value its column keeps as given".into(),
+            ));
+        }
+        Ok(keys
+            .iter()
             .map(|key| FoundRow {
                 key: key.clone(),
                 visible: self.synced_row(target, key),
                 version: self.version_record(target, key),
             })
-            .collect()
+            .collect())
+    }
+
+    /// The declared type of a source column (`text` unless declared).
+    fn column_type(&self, relation: &str, column: &str) -> &str {
+        self.work
+            .capture
+            .column_types
+            .get(&(relation.to_owned(), column.to_owned()))
+            .map_or("text", String::as_str)
+    }
+
+    /// Whether every value is one its column keeps as given.
+    fn values_kept(&self, target: &WriteTarget, values: &[(String, Option<String>)]) -> bool {
+        values.iter().all(|(c, v)| {
+            v.as_deref()
+                .is_none_or(|v| keeps_as_given(self.column_type(&target.relation, c), v))
+        })
     }
 
     fn key_image(target: &WriteTarget, key: &str) -> SourceImage {
@@ -130,6 +159,11 @@ impl MemTx {
                 .any(|c| row.get(c).is_none_or(Option::is_none))
         };
         // Every check happens before the write, so a refused write changes nothing.
+        if let RowWrite::Insert { values } | RowWrite::Update { values } = write
+            && !self.values_kept(target, values)
+        {
+            return Ok(WriteResult::Refused(Refusal::Constraint));
+        }
         let result = match write {
             RowWrite::Insert { values } => {
                 let mut row: SourceImage =
