@@ -3,13 +3,14 @@
 //! spec; the HTTP adapter only authenticates and forwards bytes.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use protocol::error::{ErrorKind, ProtocolError};
 use protocol::json;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
-use crate::capture::CapturePlan;
+use crate::capture::{CaptureHealth, CapturePlan, ReadinessLimits};
 use crate::config::SyncConfig;
 use crate::ledger::{self, Ledger};
 use crate::materializer::{self, CaptureStatus, MaterializerLimits};
@@ -66,8 +67,8 @@ enum RegistryMsg {
     Tables {
         reply: oneshot::Sender<Reply>,
     },
-    Ready {
-        reply: oneshot::Sender<bool>,
+    Health {
+        reply: oneshot::Sender<Option<CaptureHealth>>,
     },
 }
 
@@ -85,9 +86,10 @@ pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
     ledger: mpsc::Sender<PushMsg>,
     capture: watch::Receiver<CaptureStatus>,
-    max_heartbeat_age: Duration,
-    max_lag: Duration,
-    max_lag_bytes: u64,
+    /// Latched by the first `500 sync_integrity_failure`: durable state broke
+    /// an invariant, so this process stays unready until it restarts.
+    integrity_failed: Arc<AtomicBool>,
+    readiness: ReadinessLimits,
 }
 
 /// How many requests may wait for the registry before callers wait too.
@@ -170,8 +172,8 @@ impl Engine {
                     RegistryMsg::Tables { reply } => {
                         let _ = reply.send(Reply::ok(json::to_canonical(&registry.tables_json())));
                     }
-                    RegistryMsg::Ready { reply } => {
-                        let _ = reply.send(registry.ready().await);
+                    RegistryMsg::Health { reply } => {
+                        let _ = reply.send(registry.capture_health().await);
                     }
                 }
             }
@@ -180,9 +182,12 @@ impl Engine {
             registry: tx,
             ledger: push_tx,
             capture,
-            max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
-            max_lag: Duration::from_millis(config.capture.max_lag_ms),
-            max_lag_bytes: config.capture.max_lag_bytes,
+            integrity_failed: Arc::new(AtomicBool::new(false)),
+            readiness: ReadinessLimits {
+                max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
+                max_lag: Duration::from_millis(config.capture.max_lag_ms),
+                max_lag_bytes: config.capture.max_lag_bytes,
+            },
         })
     }
 
@@ -192,17 +197,32 @@ impl Engine {
         rx.await.ok()
     }
 
+    /// Latches readiness off when `reply` reports an integrity failure.
+    fn watched(&self, reply: Reply) -> Reply {
+        if reply.status == 500 && !self.integrity_failed.swap(true, Ordering::SeqCst) {
+            tracing::error!("sync_integrity_failure: unready until restarted");
+        }
+        reply
+    }
+
+    /// Whether a request answered `500 sync_integrity_failure` since start.
+    pub fn integrity_failed(&self) -> bool {
+        self.integrity_failed.load(Ordering::SeqCst)
+    }
+
     /// `POST /sync/connect` for an authenticated user.
     pub async fn connect(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
         let user_id = user_id.to_owned();
-        self.ask(|reply| RegistryMsg::Connect {
-            user_id,
-            body,
-            now_micros,
-            reply,
-        })
-        .await
-        .unwrap_or_else(unavailable)
+        let reply = self
+            .ask(|reply| RegistryMsg::Connect {
+                user_id,
+                body,
+                now_micros,
+                reply,
+            })
+            .await
+            .unwrap_or_else(unavailable);
+        self.watched(reply)
     }
 
     /// `POST /sync/push` for an authenticated user.
@@ -217,7 +237,7 @@ impl Engine {
         if self.ledger.send(msg).await.is_err() {
             return unavailable();
         }
-        rx.await.unwrap_or_else(|_| unavailable())
+        self.watched(rx.await.unwrap_or_else(|_| unavailable()))
     }
 
     /// `GET /sync/schema`.
@@ -234,20 +254,17 @@ impl Engine {
             .unwrap_or_else(unavailable)
     }
 
-    /// Whether the registry runs, the store answers, and capture is
-    /// running with a fresh heartbeat and within its lag limits.
+    /// Whether this process can serve: no integrity failure was answered,
+    /// the registry runs, the store answers, and capture (led by this or
+    /// another process) keeps up by the durable heartbeat.
     pub async fn ready(&self) -> bool {
-        let capture = self.capture.borrow().is_ready(
-            tokio::time::Instant::now(),
-            self.max_heartbeat_age,
-            self.max_lag,
-            self.max_lag_bytes,
-        );
-        capture
-            && self
-                .ask(|reply| RegistryMsg::Ready { reply })
-                .await
-                .unwrap_or(false)
+        if self.integrity_failed() {
+            return false;
+        }
+        self.ask(|reply| RegistryMsg::Health { reply })
+            .await
+            .flatten()
+            .is_some_and(|h| h.is_ready(&self.readiness))
     }
 
     /// What capture is doing now.

@@ -18,6 +18,7 @@ use protocol::wire::connect::{
 };
 use protocol::wire::{AssignmentDelta, format_server_time};
 
+use crate::capture::CaptureHealth;
 use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 
@@ -347,12 +348,13 @@ impl<S: Store> Registry<S> {
         &self.history
     }
 
-    /// Whether the store answers.
-    pub async fn ready(&self) -> bool {
-        match self.store.begin().await {
-            Ok(mut tx) => tx.manifests().await.is_ok() && tx.commit().await.is_ok(),
-            Err(_) => false,
-        }
+    /// Capture as the durable heartbeat reports it; `None` when the store
+    /// does not answer.
+    pub async fn capture_health(&self) -> Option<CaptureHealth> {
+        let mut tx = self.store.begin().await.ok()?;
+        let health = tx.capture_health().await.ok()?;
+        tx.commit().await.ok()?;
+        Some(health)
     }
 
     /// `/sync/connect` for the authenticated `user_id`, at server time `now_micros`.

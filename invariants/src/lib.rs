@@ -6,7 +6,9 @@
 //! - every 200 connect response has exactly the members its action requires;
 //! - a client's generation never decreases;
 //! - a client's `scope_set_version` never decreases, and between two of its
-//!   responses it is unchanged exactly when the assignment is unchanged.
+//!   responses it is unchanged exactly when the assignment is unchanged;
+//! - a `client_id` is bound to one user forever: only that user ever gets a
+//!   200 for it, and every other user gets 401 `auth_required`.
 
 pub mod capture;
 pub mod push;
@@ -19,6 +21,8 @@ use protocol::manifest::Manifest;
 /// One connect exchange as a client saw it, in the order the client received them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnectObservation {
+    /// The authenticated user that sent it.
+    pub user: String,
     pub client_id: String,
     /// The scope IDs the request presented in `known_scopes`.
     pub known: BTreeSet<String>,
@@ -134,9 +138,22 @@ pub fn check_connect_shape(v: &Value) -> Result<(), String> {
 pub fn check_connects(history: &[ConnectObservation]) -> Result<(), Vec<String>> {
     let mut violations = Vec::new();
     let mut clients: BTreeMap<&str, ClientView> = BTreeMap::new();
+    // The user each client_id was first answered 200 for.
+    let mut bound: BTreeMap<&str, &str> = BTreeMap::new();
+    for o in history.iter().filter(|o| o.status == 200) {
+        bound.entry(&o.client_id).or_insert(&o.user);
+    }
     for (i, o) in history.iter().enumerate() {
         let mut fail =
             |m: String| violations.push(format!("observation {i} (client {}): {m}", o.client_id));
+        let owner = bound.get(o.client_id.as_str()).copied();
+        if o.status == 200 && owner != Some(o.user.as_str()) {
+            fail("a second user was answered 200 for a bound client_id".into());
+            continue;
+        }
+        if o.status == 401 && owner == Some(o.user.as_str()) {
+            fail("the bound user was refused its own client_id".into());
+        }
         if o.status != 200 {
             continue;
         }
@@ -244,6 +261,7 @@ mod tests {
 
     fn obs(known: &[&str], body: Vec<u8>) -> ConnectObservation {
         ConnectObservation {
+            user: "u1".into(),
             client_id: "c1".into(),
             known: known.iter().map(|s| s.to_string()).collect(),
             status: 200,
@@ -312,5 +330,20 @@ mod tests {
         let mut h = good();
         h[0].body = response(1, 1, "replace", &["a"], &[]);
         assert!(check_connects(&h).is_err());
+        // A binding rewritten: a second user is answered 200 for the ID.
+        let mut h = good();
+        h[2].user = "u2".into();
+        assert!(check_connects(&h).unwrap_err()[0].contains("a second user"));
+        // A loser of the race refused, and the winner not: fine.
+        let mut h = good();
+        let mut refused = obs(&[], br#"{"error":{}}"#.to_vec());
+        refused.user = "u2".into();
+        refused.status = 401;
+        h.insert(1, refused.clone());
+        assert_eq!(check_connects(&h), Ok(()));
+        // The winner refused its own ID.
+        refused.user = "u1".into();
+        h.insert(2, refused);
+        assert!(check_connects(&h).unwrap_err()[0].contains("refused its own"));
     }
 }

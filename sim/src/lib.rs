@@ -35,6 +35,9 @@ pub(crate) const MAX_FRAME: usize = 1 << 20;
 pub struct Scenario {
     pub clients: usize,
     pub users: usize,
+    /// Extra clients, one per user, whose first connects all claim one new
+    /// `client_id` at once: exactly one user may win it.
+    pub contested: bool,
     pub connects_per_client: usize,
     pub packet_loss: f64,
     pub server_crashes: bool,
@@ -45,6 +48,7 @@ impl Default for Scenario {
         Scenario {
             clients: 6,
             users: 3,
+            contested: true,
             connects_per_client: 12,
             packet_loss: 0.05,
             server_crashes: true,
@@ -175,10 +179,15 @@ fn advance(body: &mut ConnectBody, response: &Value) {
 }
 
 /// One client node's program: sequential connects, each retried until answered.
-async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mutex<Trace>>) {
+async fn client_main(
+    index: usize,
+    client_id: String,
+    user: String,
+    connects: usize,
+    trace: Arc<Mutex<Trace>>,
+) {
     let ep = Endpoint::bind("0.0.0.0:0").await.expect("bind");
     let server: SocketAddr = SERVER.parse().expect("address");
-    let client_id = format!("client-{index}");
     let mut body = ConnectBody::fresh(&client_id);
     let mut buf = vec![0u8; MAX_FRAME];
     let mut next_id = (index as u64) << 32;
@@ -226,6 +235,7 @@ async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mut
             .expect("trace")
             .connects
             .push(ConnectObservation {
+                user: user.clone(),
                 client_id: client_id.clone(),
                 known,
                 status,
@@ -237,6 +247,9 @@ async fn client_main(index: usize, user: String, connects: usize, trace: Arc<Mut
                 &mut body,
                 &json::parse(&response).expect("200 bodies are JSON"),
             );
+        }
+        if status == 401 {
+            break; // the ID is another user's: nothing more to try
         }
         let pause = thread_rng().gen_range(10..200);
         sleep(Duration::from_millis(pause)).await;
@@ -260,15 +273,25 @@ pub async fn run(scenario: Scenario) -> Trace {
     sleep(Duration::from_millis(50)).await;
 
     let mut clients = Vec::new();
-    for i in 0..scenario.clients {
+    let contested = if scenario.contested {
+        scenario.users
+    } else {
+        0
+    };
+    for i in 0..scenario.clients + contested {
         let user = format!("user-{}", i % scenario.users);
+        let client_id = if i < scenario.clients {
+            format!("client-{i}")
+        } else {
+            "client-contested".to_owned()
+        };
         let (trace, connects) = (trace.clone(), scenario.connects_per_client);
         let node = handle
             .create_node()
             .name(format!("client-{i}"))
             .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
             .build();
-        clients.push(node.spawn(client_main(i, user, connects, trace)));
+        clients.push(node.spawn(client_main(i, client_id, user, connects, trace)));
     }
 
     // Faults and operator actions while the clients run.

@@ -36,6 +36,13 @@ const PUSH: u8 = 1;
 /// Notes per user that the user's clients write (a small pool, so they collide).
 const POOL: usize = 5;
 
+/// Note `k` of `user-N`'s pool: `notes.id` is a `uuid` column, so a key
+/// is a UUID in its printed form.
+fn note_key(user: &str, k: usize) -> String {
+    let u: usize = user.trim_start_matches("user-").parse().unwrap_or(0);
+    format!("00000000-0000-4000-8000-{u:06x}{k:06x}")
+}
+
 /// Knobs of one push run.
 #[derive(Clone, Debug)]
 pub struct PushScenario {
@@ -197,7 +204,7 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
         }
         for _ in 0..n {
             let k = keys.remove(rng.gen_range(0..keys.len()));
-            let note = format!("note-{user}-{k}");
+            let note = note_key(&user, k);
             next_mutation += 1;
             let title = json::object([
                 ("fld_notes_title", Value::string(format!("{client_id} {b}"))),
@@ -317,7 +324,7 @@ async fn direct_writer(
     while !stop.load(Ordering::Relaxed) {
         sleep(Duration::from_millis(thread_rng().gen_range(40..160))).await;
         let user = format!("user-{}", thread_rng().gen_range(0..users));
-        let note = format!("note-{user}-{}", thread_rng().gen_range(0..POOL));
+        let note = note_key(&user, thread_rng().gen_range(0..POOL));
         let mut tx = store.begin().await.expect("begin");
         let key: actors::capture::SourceImage = [("id".to_owned(), Some(note.clone()))].into();
         let Some(row) = tx.source_row("public.notes", &key) else {

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actors::capture::{
-    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect, Lsn,
-    Materialization, Projection, Quarantine, SourceTransaction,
+    CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
+    Heartbeat, Lsn, Materialization, Projection, Quarantine, SourceTransaction,
 };
 use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
@@ -49,6 +49,8 @@ enum Op {
     Grants(String),
     DependencyValues(DependencyAssignment, String),
     CaptureProgress,
+    RecordHeartbeat(Heartbeat),
+    CaptureHealth,
     Projections(String, Vec<RowIdentity>),
     DependencyRowsById(String, Vec<String>),
     DependencyRows(String, String, Vec<String>),
@@ -77,6 +79,7 @@ enum Answer {
     Inserted(Result<bool, StoreError>),
     Strings(Result<Vec<String>, StoreError>),
     Progress(Result<CaptureProgress, StoreError>),
+    Health(Result<CaptureHealth, StoreError>),
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
@@ -353,6 +356,8 @@ async fn transaction(
                 (Answer::Strings(tx.dependency_values(&d, &u).await), false)
             }
             Op::CaptureProgress => (Answer::Progress(tx.capture_progress().await), false),
+            Op::RecordHeartbeat(b) => (Answer::Unit(tx.record_heartbeat(&b).await), false),
+            Op::CaptureHealth => (Answer::Health(tx.capture_health().await), false),
             Op::Projections(t, rows) => {
                 (Answer::Projections(tx.projections(&t, &rows).await), false)
             }
@@ -718,6 +723,20 @@ impl StoreTx for RemoteTx {
     async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         match self.call(Op::CaptureProgress).await? {
             Answer::Progress(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn record_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
+        match self.call(Op::RecordHeartbeat(*beat)).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
+        match self.call(Op::CaptureHealth).await? {
+            Answer::Health(r) => r,
             _ => Err(mismatch()),
         }
     }

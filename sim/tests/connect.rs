@@ -26,10 +26,26 @@ async fn connect_under_faults() {
         trace.retries
     );
     let scenario = Scenario::default();
+    let (contested, own): (Vec<_>, Vec<_>) = trace
+        .connects
+        .iter()
+        .partition(|o| o.client_id == "client-contested");
     assert_eq!(
-        trace.connects.len(),
+        own.len(),
         scenario.clients * scenario.connects_per_client,
         "every connect was answered"
+    );
+    // One user won the contested ID; each other user was refused once and stopped.
+    let winners: std::collections::BTreeSet<_> = contested
+        .iter()
+        .filter(|o| o.status == 200)
+        .map(|o| o.user.as_str())
+        .collect();
+    assert_eq!(winners.len(), 1, "exactly one user bound the contested ID");
+    assert_eq!(
+        contested.iter().filter(|o| o.status == 401).count(),
+        scenario.users - 1,
+        "every other user was refused"
     );
     if let Err(violations) = invariants::check_connects(&trace.connects) {
         panic!(
@@ -39,7 +55,7 @@ async fn connect_under_faults() {
         );
     }
     // Every non-200 answer here would be a protocol error the clients did not provoke.
-    for o in &trace.connects {
+    for o in &own {
         assert_eq!(
             o.status,
             200,

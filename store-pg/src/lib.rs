@@ -20,8 +20,8 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use actors::capture::{
-    CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Materialization,
-    Projection, Quarantine,
+    CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Heartbeat,
+    Materialization, Projection, Quarantine,
 };
 use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
@@ -326,6 +326,14 @@ impl StoreTx for PgTx {
 
     async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         self.read_capture_progress().await
+    }
+
+    async fn record_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
+        self.write_heartbeat(beat).await
+    }
+
+    async fn capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
+        self.read_capture_health().await
     }
 
     async fn projections(

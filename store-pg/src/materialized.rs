@@ -5,8 +5,8 @@
 use std::collections::BTreeSet;
 
 use actors::capture::{
-    CaptureProblem, CaptureProgress, CapturedRow, DependencyRow, Effect, EffectOp, Materialization,
-    Projection, Quarantine, SourceImage,
+    CaptureHealth, CaptureProblem, CaptureProgress, CapturedRow, DependencyRow, Effect, EffectOp,
+    Heartbeat, Materialization, Projection, Quarantine, SourceImage,
 };
 use actors::store::StoreError;
 use protocol::digest::{Digest, RowIdentity};
@@ -228,6 +228,41 @@ impl PgTx {
                 }),
                 _ => None,
             },
+        })
+    }
+
+    pub(crate) async fn write_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE synchro.capture_progress SET heartbeat_at = clock_timestamp(), \
+               caught_up_at = CASE WHEN $1 THEN clock_timestamp() ELSE caught_up_at END, \
+               lag_bytes = $2",
+        )
+        .bind(beat.caught_up)
+        .bind(to_i64(beat.lag_bytes)?)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+
+    pub(crate) async fn read_capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
+        // Ages by the database's clock: every process reads the same one.
+        let r = sqlx::query(
+            "SELECT (extract(epoch FROM clock_timestamp() - heartbeat_at) * 1e6)::int8, \
+                    (extract(epoch FROM clock_timestamp() - caught_up_at) * 1e6)::int8, \
+                    lag_bytes, quarantine_class IS NOT NULL FROM synchro.capture_progress",
+        )
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        let age = |micros: Option<i64>| {
+            micros.map(|m| std::time::Duration::from_micros(u64::try_from(m).unwrap_or(0)))
+        };
+        Ok(CaptureHealth {
+            heartbeat_age: age(r.try_get(0).map_err(db_error)?),
+            caught_up_age: age(r.try_get(1).map_err(db_error)?),
+            lag_bytes: to_u64(r.try_get(2).map_err(db_error)?)?,
+            blocked: r.try_get(3).map_err(db_error)?,
         })
     }
 

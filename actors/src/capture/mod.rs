@@ -333,6 +333,51 @@ pub struct Materialization {
     pub fences: Vec<u64>,
 }
 
+/// A heartbeat of the capture leader, written durably so that every
+/// process on the database can judge capture, not only the leader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// Nothing was waiting in the feed.
+    pub caught_up: bool,
+    /// Source WAL the leader knew of and had not yet materialized.
+    pub lag_bytes: u64,
+}
+
+/// Capture as any process reads it from the durable heartbeat; ages are
+/// measured by the store's own clock, so processes need no common clock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CaptureHealth {
+    /// Since the leader's last heartbeat; `None` before the first.
+    pub heartbeat_age: Option<Duration>,
+    /// Since the leader last found nothing waiting; `None` before that.
+    pub caught_up_age: Option<Duration>,
+    /// The lag the last heartbeat reported.
+    pub lag_bytes: u64,
+    /// A quarantined transaction blocks capture.
+    pub blocked: bool,
+}
+
+/// When capture counts as keeping up (the `[capture]` readiness limits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadinessLimits {
+    pub max_heartbeat_age: Duration,
+    pub max_lag: Duration,
+    pub max_lag_bytes: u64,
+}
+
+impl CaptureHealth {
+    /// Not blocked, a heartbeat within `max_heartbeat_age`, caught up
+    /// within `max_lag`, and at most `max_lag_bytes` behind.
+    pub fn is_ready(&self, limits: &ReadinessLimits) -> bool {
+        !self.blocked
+            && self
+                .heartbeat_age
+                .is_some_and(|a| a <= limits.max_heartbeat_age)
+            && self.caught_up_age.is_some_and(|a| a <= limits.max_lag)
+            && self.lag_bytes <= limits.max_lag_bytes
+    }
+}
+
 /// The durable materialization progress.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CaptureProgress {

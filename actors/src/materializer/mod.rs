@@ -20,7 +20,7 @@ use protocol::position::Boundary;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
 
-use crate::capture::{CaptureProblem, ChangeFeed, Lsn, Quarantine};
+use crate::capture::{CaptureProblem, ChangeFeed, Heartbeat, Lsn, Quarantine};
 use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
 pub(crate) use model::{Model, Table};
@@ -54,30 +54,15 @@ pub enum CaptureStatus {
     Unavailable,
 }
 
-impl CaptureStatus {
-    /// Whether capture keeps up: running, heartbeat within `max_heartbeat_age`,
-    /// caught up within `max_lag`, and at most `max_lag_bytes` behind.
-    pub fn is_ready(
-        &self,
-        now: Instant,
-        max_heartbeat_age: Duration,
-        max_lag: Duration,
-        max_lag_bytes: u64,
-    ) -> bool {
-        match self {
-            CaptureStatus::Running {
-                heartbeat,
-                caught_up,
-                lag_bytes,
-                ..
-            } => {
-                now.saturating_duration_since(*heartbeat) <= max_heartbeat_age
-                    && now.saturating_duration_since(*caught_up) <= max_lag
-                    && *lag_bytes <= max_lag_bytes
-            }
-            _ => false,
-        }
-    }
+/// Records a heartbeat in its own transaction (the leader is idle or starting).
+async fn beat<S: Store>(store: &S, caught_up: bool, lag_bytes: u64) -> Result<(), StoreError> {
+    let mut tx = store.begin().await?;
+    tx.record_heartbeat(&Heartbeat {
+        caught_up,
+        lag_bytes,
+    })
+    .await?;
+    tx.commit().await
 }
 
 /// Finite limits of the materializer loop.
@@ -195,14 +180,12 @@ async fn lead<S: Store>(
         caught_up,
         lag_bytes,
     };
+    let lag = feed.source_end().saturating_sub(durable_end);
     match &blocked {
         Some(p) => status.send_replace(CaptureStatus::Blocked(p.clone())),
-        None => status.send_replace(running(
-            boundary,
-            caught_up,
-            feed.source_end().saturating_sub(durable_end),
-        )),
+        None => status.send_replace(running(boundary, caught_up, lag)),
     };
+    beat(store, lag == 0, lag).await?;
     loop {
         let Some(first) = feed.next(limits.heartbeat).await? else {
             if status.is_closed() {
@@ -217,6 +200,7 @@ async fn lead<S: Store>(
             if blocked.is_none() {
                 status.send_replace(running(boundary, caught_up, 0));
             }
+            beat(store, true, 0).await?;
             continue;
         };
         // Group commit: the transactions already waiting, up to a bound,
@@ -258,6 +242,14 @@ async fn lead<S: Store>(
             })
             .await?;
         }
+        // The heartbeat goes with the group it reports on.
+        let end = outcome.combined.as_ref().map_or(durable_end, |m| m.end_lsn);
+        let lag = feed.source_end().saturating_sub(end);
+        tx.record_heartbeat(&Heartbeat {
+            caught_up: drained,
+            lag_bytes: lag,
+        })
+        .await?;
         tx.commit().await?;
         if let Some(m) = &outcome.combined {
             boundary = Boundary::TransactionEnd {
@@ -269,7 +261,6 @@ async fn lead<S: Store>(
             if drained {
                 caught_up = Instant::now();
             }
-            let lag = feed.source_end().saturating_sub(durable_end);
             status.send_replace(running(boundary, caught_up, lag));
         }
         if let Some((_, problem)) = outcome.problem {
@@ -289,41 +280,37 @@ async fn lead<S: Store>(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::Duration;
 
-    #[tokio::test]
-    async fn readiness_follows_heartbeat_and_lag_limits() {
-        let now = Instant::now();
+    use crate::capture::{CaptureHealth, ReadinessLimits};
+
+    #[test]
+    fn readiness_follows_heartbeat_and_lag_limits() {
         let secs = Duration::from_secs;
-        let running =
-            |heartbeat: Duration, caught_up: Duration, lag_bytes| CaptureStatus::Running {
-                heartbeat: now - heartbeat,
-                boundary: Boundary::GenerationStart,
-                caught_up: now - caught_up,
-                lag_bytes,
-            };
-        let ready = |s: &CaptureStatus| s.is_ready(now, secs(10), secs(60), 1000);
-        assert!(ready(&running(secs(1), secs(1), 0)));
-        assert!(
-            ready(&running(secs(10), secs(60), 1000)),
-            "limits are inclusive"
-        );
-        assert!(!ready(&running(secs(11), secs(1), 0)), "stale heartbeat");
-        assert!(
-            !ready(&running(secs(1), secs(61), 0)),
-            "behind for too long"
-        );
-        assert!(
-            !ready(&running(secs(1), secs(1), 1001)),
-            "too many bytes behind"
-        );
-        for other in [
-            CaptureStatus::Starting,
-            CaptureStatus::Standby,
-            CaptureStatus::Unavailable,
-            CaptureStatus::Blocked(CaptureProblem::Truncate),
-        ] {
-            assert!(!ready(&other), "{other:?}");
-        }
+        let limits = ReadinessLimits {
+            max_heartbeat_age: secs(10),
+            max_lag: secs(60),
+            max_lag_bytes: 1000,
+        };
+        let health = |heartbeat: u64, caught_up: u64, lag_bytes, blocked| CaptureHealth {
+            heartbeat_age: Some(secs(heartbeat)),
+            caught_up_age: Some(secs(caught_up)),
+            lag_bytes,
+            blocked,
+        };
+        let ready = |h: CaptureHealth| h.is_ready(&limits);
+        assert!(ready(health(1, 1, 0, false)));
+        assert!(ready(health(10, 60, 1000, false)), "limits are inclusive");
+        assert!(!ready(health(11, 1, 0, false)), "stale heartbeat");
+        assert!(!ready(health(1, 61, 0, false)), "behind for too long");
+        assert!(!ready(health(1, 1, 1001, false)), "too many bytes behind");
+        assert!(!ready(health(1, 1, 0, true)), "blocked");
+        let never = CaptureHealth {
+            heartbeat_age: None,
+            caught_up_age: None,
+            lag_bytes: 0,
+            blocked: false,
+        };
+        assert!(!ready(never), "no leader has ever run");
     }
 }

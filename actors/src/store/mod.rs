@@ -15,8 +15,8 @@ use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
 
 use crate::capture::{
-    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
-    Materialization, Projection, Quarantine,
+    CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
+    Heartbeat, Materialization, Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
@@ -155,6 +155,15 @@ pub trait StoreTx: Send {
     fn capture_progress(
         &mut self,
     ) -> impl Future<Output = Result<CaptureProgress, StoreError>> + Send;
+
+    /// Records the capture leader's heartbeat with the store's clock.
+    fn record_heartbeat(
+        &mut self,
+        beat: &Heartbeat,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The last heartbeat's age and lag, and whether a quarantine blocks capture.
+    fn capture_health(&mut self) -> impl Future<Output = Result<CaptureHealth, StoreError>> + Send;
 
     /// The projections of these rows of a table that exist.
     fn projections(

@@ -487,10 +487,53 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     use protocol::value::{PortableType, decode_key};
 
     use crate::capture::{
-        CapturedRow, DependencyRow, Materialization, MaterializedTransaction, Projection,
-        Quarantine,
+        CapturedRow, DependencyRow, Heartbeat, Materialization, MaterializedTransaction,
+        Projection, Quarantine,
     };
     use crate::store::StoreError;
+
+    // The durable heartbeat: nothing before the first, then ages by the
+    // store's clock, the lag as reported, and a quarantine blocking.
+    let mut tx = store.begin().await.unwrap();
+    let never = tx.capture_health().await.unwrap();
+    assert_eq!(
+        (
+            never.heartbeat_age,
+            never.caught_up_age,
+            never.lag_bytes,
+            never.blocked
+        ),
+        (None, None, 0, false)
+    );
+    tx.record_heartbeat(&Heartbeat {
+        caught_up: false,
+        lag_bytes: 5,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let behind = tx.capture_health().await.unwrap();
+    assert!(
+        behind
+            .heartbeat_age
+            .is_some_and(|a| a < Duration::from_secs(5))
+    );
+    assert_eq!((behind.caught_up_age, behind.lag_bytes), (None, 5));
+    tx.record_heartbeat(&Heartbeat {
+        caught_up: true,
+        lag_bytes: 0,
+    })
+    .await
+    .unwrap();
+    let caught_up = tx.capture_health().await.unwrap();
+    assert!(
+        caught_up
+            .caught_up_age
+            .is_some_and(|a| a < Duration::from_secs(5))
+    );
+    assert_eq!(caught_up.lag_bytes, 0);
+    tx.commit().await.unwrap();
 
     let manifest = Manifest::new(
         1,
@@ -704,6 +747,10 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     .unwrap();
     tx.commit().await.unwrap();
     let mut tx = store.begin().await.unwrap();
+    assert!(
+        tx.capture_health().await.unwrap().blocked,
+        "a quarantine blocks"
+    );
     let q = tx.capture_progress().await.unwrap().quarantine;
     assert_eq!(
         q,

@@ -70,7 +70,7 @@ pub(super) struct CaptureState {
     slot_ack: Lsn,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
-    progress: CaptureProgress,
+    pub(super) progress: CaptureProgress,
     projections: BTreeMap<(String, RowIdentity), Projection>,
     dependencies: BTreeMap<(String, String), DependencyRow>,
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
@@ -81,6 +81,8 @@ pub(super) struct CaptureState {
     pub pending_fences: BTreeMap<u64, String>,
     /// The client whose push is writing (`synchro.client_id`), within one transaction.
     pub writer: Option<String>,
+    /// The leader's last heartbeat, the last time it was caught up, its lag.
+    pub heartbeat: Option<(tokio::time::Instant, Option<tokio::time::Instant>, u64)>,
     /// Declared PostgreSQL column types, by (relation, column); a column
     /// not named here is `text`.
     pub column_types: BTreeMap<(String, String), String>,
@@ -114,6 +116,7 @@ impl CaptureState {
             writer: None,
             deliveries: 0,
             column_types: BTreeMap::new(),
+            heartbeat: None,
         }
     }
 

@@ -17,8 +17,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 
 use super::{ClientRecord, Store, StoreError, StoreTx};
 use crate::capture::{
-    CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Materialization,
-    Projection, Quarantine,
+    CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Heartbeat,
+    Materialization, Projection, Quarantine,
 };
 use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
@@ -303,6 +303,30 @@ impl StoreTx for MemTx {
 
     async fn capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         Ok(MemTx::capture_progress(self))
+    }
+
+    async fn record_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
+        let now = tokio::time::Instant::now();
+        let c = &mut self.work.capture;
+        let caught_up = if beat.caught_up {
+            Some(now)
+        } else {
+            c.heartbeat.and_then(|(_, caught_up, _)| caught_up)
+        };
+        c.heartbeat = Some((now, caught_up, beat.lag_bytes));
+        Ok(())
+    }
+
+    async fn capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
+        let now = tokio::time::Instant::now();
+        let c = &self.work.capture;
+        let age = |t: tokio::time::Instant| now.saturating_duration_since(t);
+        Ok(CaptureHealth {
+            heartbeat_age: c.heartbeat.map(|(at, _, _)| age(at)),
+            caught_up_age: c.heartbeat.and_then(|(_, caught_up, _)| caught_up.map(age)),
+            lag_bytes: c.heartbeat.map_or(0, |(_, _, lag)| lag),
+            blocked: c.progress.quarantine.is_some(),
+        })
     }
 
     async fn projections(

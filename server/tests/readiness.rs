@@ -1,0 +1,287 @@
+//! Readiness over HTTP on PostgreSQL: every process that can serve is ready
+//! (capture is judged by the leader's durable heartbeat, whoever leads), a
+//! standby takes over capture when the leader dies, and an integrity
+//! failure latches a process unready.
+#![cfg(not(madsim))]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use actors::testkit::{ConnectBody, EXAMPLE_CONFIG, note_columns, note_id, note_mutation};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use protocol::json::{self, Value};
+use sqlx::PgPool;
+use store_pg::cluster::PgCluster;
+
+/// One HTTP/1.1 request as user `user` (trusted upstream header); status and body.
+async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    user: &str,
+    body: Vec<u8>,
+) -> (u16, Vec<u8>) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .header("x-user", user)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let response = sender.send_request(req).await.unwrap();
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    (status, body)
+}
+
+/// A `synchro serve` process and the address it listens on.
+struct Process {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(dir: &std::path::Path, url: &str) -> Process {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_synchro"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", url])
+        .arg("--config")
+        .arg(dir.join("config.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server printed its address")
+            .unwrap();
+        if let Some(a) = line.strip_prefix("synchro: listening on http://") {
+            break a.parse().unwrap();
+        }
+    };
+    // Keep draining stdout so the process never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    Process { child, addr }
+}
+
+async fn ready(addr: SocketAddr) -> bool {
+    request(addr, "GET", "/ready", "", vec![]).await.0 == 200
+}
+
+async fn wait_ready(addr: SocketAddr, what: &str) {
+    let start = Instant::now();
+    while !ready(addr).await {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{what} never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Connects a fresh client through `addr`, then pushes one note through it.
+async fn connect_and_push(addr: SocketAddr, user: &str, client: &str, n: u64) {
+    let body = json::to_canonical(&ConnectBody::fresh(client).to_json());
+    let (status, b) = request(addr, "POST", "/sync/connect", user, body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let c = json::parse(&b).unwrap();
+    let o = c.as_object().unwrap();
+    let s = o["schema"].as_object().unwrap();
+    let schema = json::object([
+        ("version", s["version"].clone()),
+        ("hash", s["hash"].clone()),
+    ]);
+    let push = json::object([
+        ("client_id", Value::string(client)),
+        ("client_generation", o["client_generation"].clone()),
+        (
+            "batch_id",
+            Value::string(format!("10000000-0000-4000-8000-{n:012}")),
+        ),
+        ("schema", schema.clone()),
+        (
+            "mutations",
+            Value::Array(vec![note_mutation(
+                n,
+                &note_id(n),
+                &schema,
+                "insert",
+                None,
+                Some(note_columns("two processes")),
+            )]),
+        ),
+    ]);
+    let (status, b) = request(addr, "POST", "/sync/push", user, json::to_canonical(&push)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    assert!(String::from_utf8_lossy(&b).contains(r#""status":"applied""#));
+}
+
+async fn setup(cluster: &PgCluster, name: &str) -> (tempfile::TempDir, String, PgPool) {
+    cluster.create_database(name).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = EXAMPLE_CONFIG
+        .replace(
+            "mode = \"hs256\"\nsecret_file = \".synchro/hs256.secret\"",
+            "mode = \"upstream\"\nheader = \"x-user\"",
+        )
+        // Fast heartbeats, so that readiness follows within a second.
+        .replace(
+            "[auth]",
+            "[capture]\nheartbeat_ms = 100\nmax_heartbeat_age_ms = 2000\n\n[auth]",
+        );
+    std::fs::write(dir.path().join("config.toml"), config).unwrap();
+    std::fs::write(
+        dir.path().join("schema.sql"),
+        include_str!("../../examples/notes/schema.sql"),
+    )
+    .unwrap();
+    let pool = PgPool::connect_with(cluster.connect_options(name))
+        .await
+        .unwrap();
+    (dir, cluster.url(name), pool)
+}
+
+#[tokio::test]
+async fn two_processes_are_both_ready_and_one_takes_over_capture() {
+    let cluster = PgCluster::temp().unwrap();
+    let (dir, url, pool) = setup(&cluster, "two").await;
+    let first = serve(dir.path(), &url);
+    wait_ready(first.addr, "the first process").await;
+    let second = serve(dir.path(), &url);
+    wait_ready(second.addr, "the second process (a capture standby)").await;
+    // Both serve connect and push.
+    connect_and_push(first.addr, "alice", "via-first", 1).await;
+    connect_and_push(second.addr, "bob", "via-second", 2).await;
+    assert!(ready(first.addr).await && ready(second.addr).await);
+
+    // Kill the leader (the first, which started capture): the second takes
+    // over capture, materializes what is written next, and stays ready.
+    let leader_pid: Option<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted LIMIT 1",
+    )
+    .fetch_optional(&pool)
+    .await
+    .unwrap();
+    assert!(leader_pid.is_some(), "a leader holds the capture lock");
+    drop(first);
+    let before: Option<i64> = sqlx::query_scalar("SELECT commit_lsn FROM synchro.capture_progress")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO public.notes (owner_id, title) VALUES ('carol', 'after the leader died')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let start = Instant::now();
+    loop {
+        let now: Option<i64> =
+            sqlx::query_scalar("SELECT commit_lsn FROM synchro.capture_progress")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if now.is_some() && now != before {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no process took over capture"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_ready(second.addr, "the new leader").await;
+    connect_and_push(second.addr, "carol", "after-takeover", 3).await;
+    assert!(ready(second.addr).await);
+}
+
+#[tokio::test]
+async fn an_integrity_failure_latches_unready() {
+    let cluster = PgCluster::temp().unwrap();
+    let (dir, url, pool) = setup(&cluster, "latch").await;
+    let server = serve(dir.path(), &url);
+    wait_ready(server.addr, "the server").await;
+    connect_and_push(server.addr, "alice", "c1", 1).await;
+    // Durable state broken behind the server's back: the row's version is gone.
+    sqlx::query("DELETE FROM synchro.row_versions")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let body = json::to_canonical(&ConnectBody::fresh("c2").to_json());
+    let (status, b) = request(server.addr, "POST", "/sync/connect", "alice", body).await;
+    assert_eq!(status, 200);
+    let c = json::parse(&b).unwrap();
+    let o = c.as_object().unwrap();
+    let s = o["schema"].as_object().unwrap();
+    let schema = json::object([
+        ("version", s["version"].clone()),
+        ("hash", s["hash"].clone()),
+    ]);
+    let update = json::object([
+        ("client_id", Value::string("c2")),
+        ("client_generation", o["client_generation"].clone()),
+        (
+            "batch_id",
+            Value::string("10000000-0000-4000-8000-000000000099"),
+        ),
+        ("schema", schema.clone()),
+        (
+            "mutations",
+            Value::Array(vec![note_mutation(
+                9,
+                &note_id(1),
+                &schema,
+                "update",
+                Some("any"),
+                Some(json::object([("fld_notes_title", Value::string("x"))])),
+            )]),
+        ),
+    ]);
+    let (status, b) = request(
+        server.addr,
+        "POST",
+        "/sync/push",
+        "alice",
+        json::to_canonical(&update),
+    )
+    .await;
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&b));
+    assert!(String::from_utf8_lossy(&b).contains(r#""code":"sync_integrity_failure""#));
+    // Unready from then on, although the database answers and capture runs.
+    for _ in 0..5 {
+        let (status, body) = request(server.addr, "GET", "/ready", "", vec![]).await;
+        assert_eq!((status, body.as_slice()), (503, &br#"{"ready":false}"#[..]));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // A restart (after the operator repaired the cause) clears it.
+    drop(server);
+    let again = serve(dir.path(), &url);
+    wait_ready(again.addr, "the restarted server").await;
+}
