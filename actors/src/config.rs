@@ -75,12 +75,15 @@ fn default_max_lag_bytes() -> u64 {
     1 << 30
 }
 
+/// Source transactions per database transaction of the materializer.
 fn default_group_transactions() -> usize {
-    crate::materializer::GROUP_TRANSACTIONS
+    500
 }
 
+/// Row events per database transaction (a larger single source
+/// transaction is still materialized whole).
 fn default_group_events() -> usize {
-    crate::materializer::GROUP_EVENTS
+    5_000
 }
 
 fn default_heartbeat_ms() -> u64 {

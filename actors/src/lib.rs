@@ -10,8 +10,10 @@ pub mod engine;
 pub mod ledger;
 pub mod materializer;
 pub mod registry;
+pub mod reply;
 pub mod store;
 
-pub use engine::{Engine, Reply};
+pub use engine::Engine;
+pub use reply::Reply;
 #[cfg(feature = "testkit")]
 pub mod testkit;

@@ -28,9 +28,9 @@ use protocol::wire::push::{
 use self::contract::{PushRecord, StoredBatch, StoredMutation, WriteTarget, Writer};
 use self::evaluate::{Early, Planned, TableRules};
 use crate::config::SyncConfig;
-use crate::engine::Reply;
 use crate::materializer::{Model, Table};
 use crate::registry::{SchemaHistory, next_counter, store_error};
+use crate::reply::Reply;
 use crate::store::{Store, StoreTx};
 
 /// A registered table as push sees it.

@@ -25,12 +25,6 @@ use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
 pub(crate) use model::{Model, Table};
 
-/// Default bound of source transactions per database transaction.
-pub const GROUP_TRANSACTIONS: usize = 500;
-/// Default bound of row events per database transaction (a larger single
-/// source transaction is still materialized whole).
-pub const GROUP_EVENTS: usize = 5_000;
-
 /// What the materializer is doing, for readiness.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CaptureStatus {
