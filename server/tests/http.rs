@@ -12,9 +12,6 @@ use std::sync::{Arc, Mutex};
 use actors::Engine;
 use actors::config::{AuthConfig, SyncConfig};
 use actors::testkit::{ConnectBody, Harness, HarnessFactory, connect_suite, example_config};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
 use protocol::json::{self, Value};
 use server::adapter::{AppState, router};
 use server::auth::{Authenticator, dev_token, hs256_secret};
@@ -22,41 +19,8 @@ use store_pg::cluster::PgCluster;
 use store_pg::{PgStore, example_store};
 use tokio::task::JoinHandle;
 
-/// One HTTP/1.1 request; the status, headers and body.
-async fn request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: Vec<u8>,
-) -> (u16, hyper::HeaderMap, Vec<u8>) {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let response = sender
-        .send_request(req.body(Full::new(Bytes::from(body))).unwrap())
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .unwrap()
-        .to_bytes()
-        .to_vec();
-    (status, headers, body)
-}
+mod common;
+use common::request;
 
 struct Server {
     addr: SocketAddr,

@@ -11,14 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use actors::testkit::{ConnectBody, EXAMPLE_CONFIG, note_columns, note_id, note_mutation};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
 use protocol::json::{self, Value};
 use sqlx::PgPool;
 use store_pg::cluster::PgCluster;
 
-/// One HTTP/1.1 request as user `user` (trusted upstream header); status and body.
+mod common;
+
+/// One request as `user` (the trusted upstream header); status and body.
 async fn request(
     addr: SocketAddr,
     method: &str,
@@ -26,29 +25,24 @@ async fn request(
     user: &str,
     body: Vec<u8>,
 ) -> (u16, Vec<u8>) {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .header("x-user", user)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap();
-    let response = sender.send_request(req).await.unwrap();
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .unwrap()
-        .to_bytes()
-        .to_vec();
+    let headers = [("x-user", user), ("content-type", "application/json")];
+    let (status, _, body) = common::request(addr, method, path, &headers, body).await;
     (status, body)
+}
+
+/// A fresh client's first connect through `addr`: its generation and schema reference.
+async fn connect(addr: SocketAddr, user: &str, client: &str) -> (Value, Value) {
+    let body = json::to_canonical(&ConnectBody::fresh(client).to_json());
+    let (status, b) = request(addr, "POST", "/sync/connect", user, body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let c = json::parse(&b).unwrap();
+    let o = c.as_object().unwrap();
+    let s = o["schema"].as_object().unwrap();
+    let schema = json::object([
+        ("version", s["version"].clone()),
+        ("hash", s["hash"].clone()),
+    ]);
+    (o["client_generation"].clone(), schema)
 }
 
 /// A `synchro serve` process and the address it listens on.
@@ -108,19 +102,10 @@ async fn wait_ready(addr: SocketAddr, what: &str) {
 
 /// Connects a fresh client through `addr`, then pushes one note through it.
 async fn connect_and_push(addr: SocketAddr, user: &str, client: &str, n: u64) {
-    let body = json::to_canonical(&ConnectBody::fresh(client).to_json());
-    let (status, b) = request(addr, "POST", "/sync/connect", user, body).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
-    let c = json::parse(&b).unwrap();
-    let o = c.as_object().unwrap();
-    let s = o["schema"].as_object().unwrap();
-    let schema = json::object([
-        ("version", s["version"].clone()),
-        ("hash", s["hash"].clone()),
-    ]);
+    let (generation, schema) = connect(addr, user, client).await;
     let push = json::object([
         ("client_id", Value::string(client)),
-        ("client_generation", o["client_generation"].clone()),
+        ("client_generation", generation),
         (
             "batch_id",
             Value::string(format!("10000000-0000-4000-8000-{n:012}")),
@@ -234,19 +219,10 @@ async fn an_integrity_failure_latches_unready() {
         .execute(&pool)
         .await
         .unwrap();
-    let body = json::to_canonical(&ConnectBody::fresh("c2").to_json());
-    let (status, b) = request(server.addr, "POST", "/sync/connect", "alice", body).await;
-    assert_eq!(status, 200);
-    let c = json::parse(&b).unwrap();
-    let o = c.as_object().unwrap();
-    let s = o["schema"].as_object().unwrap();
-    let schema = json::object([
-        ("version", s["version"].clone()),
-        ("hash", s["hash"].clone()),
-    ]);
+    let (generation, schema) = connect(server.addr, "alice", "c2").await;
     let update = json::object([
         ("client_id", Value::string("c2")),
-        ("client_generation", o["client_generation"].clone()),
+        ("client_generation", generation),
         (
             "batch_id",
             Value::string("10000000-0000-4000-8000-000000000099"),

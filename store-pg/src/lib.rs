@@ -90,6 +90,24 @@ impl PgStore {
     }
 }
 
+/// Binds a client record's columns as `$1..$10`, in the table's order.
+fn bind_client<'q>(
+    q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    c: &'q ClientRecord,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
+    q.bind(&c.client_id)
+        .bind(&c.user_id)
+        .bind(c.generation as i64)
+        .bind(c.retired)
+        .bind(c.installed_schema.map(|s| s.version as i64))
+        .bind(c.installed_schema.map(|s| s.hash.to_hex()))
+        .bind(c.scope_set_version as i64)
+        .bind(assigned)
+        .bind(c.accepted_write_epoch as i64)
+        .bind(c.continued)
+}
+
 /// One PostgreSQL transaction.
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
@@ -240,25 +258,17 @@ impl StoreTx for PgTx {
     }
 
     async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
-        let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
         // A concurrent insert of the same ID waits for the other transaction,
         // then inserts nothing once that one commits.
-        let done = sqlx::query(
-            "INSERT INTO synchro.clients \
-               (client_id, user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-                accepted_write_epoch, continued) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (client_id) DO NOTHING",
+        let done = bind_client(
+            sqlx::query(
+                "INSERT INTO synchro.clients \
+                   (client_id, user_id, generation, retired, installed_version, installed_hash, \
+                    scope_set_version, assigned, accepted_write_epoch, continued) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (client_id) DO NOTHING",
+            ),
+            c,
         )
-        .bind(&c.client_id)
-        .bind(&c.user_id)
-        .bind(c.generation as i64)
-        .bind(c.retired)
-        .bind(c.installed_schema.map(|s| s.version as i64))
-        .bind(c.installed_schema.map(|s| s.hash.to_hex()))
-        .bind(c.scope_set_version as i64)
-        .bind(&assigned)
-        .bind(c.accepted_write_epoch as i64)
-        .bind(c.continued)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
@@ -266,23 +276,15 @@ impl StoreTx for PgTx {
     }
 
     async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
-        let assigned: Vec<&str> = c.assigned.iter().map(ScopeId::as_str).collect();
-        let done = sqlx::query(
-            "UPDATE synchro.clients SET generation = $3, retired = $4, installed_version = $5, \
-               installed_hash = $6, scope_set_version = $7, assigned = $8, accepted_write_epoch = $9, \
-               continued = $10 \
-             WHERE client_id = $1 AND user_id = $2",
+        let done = bind_client(
+            sqlx::query(
+                "UPDATE synchro.clients SET generation = $3, retired = $4, installed_version = $5, \
+                   installed_hash = $6, scope_set_version = $7, assigned = $8, \
+                   accepted_write_epoch = $9, continued = $10 \
+                 WHERE client_id = $1 AND user_id = $2",
+            ),
+            c,
         )
-        .bind(&c.client_id)
-        .bind(&c.user_id)
-        .bind(c.generation as i64)
-        .bind(c.retired)
-        .bind(c.installed_schema.map(|s| s.version as i64))
-        .bind(c.installed_schema.map(|s| s.hash.to_hex()))
-        .bind(c.scope_set_version as i64)
-        .bind(&assigned)
-        .bind(c.accepted_write_epoch as i64)
-        .bind(c.continued)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
