@@ -56,6 +56,8 @@ pub struct PushStats {
     pub terminal: usize,
     pub atomic_rejections: usize,
     pub reused: usize,
+    /// Sealed batches answered `400 invalid_request` (a key no column keeps).
+    pub invalid: usize,
 }
 
 fn obj(v: &Value) -> Option<&json::Object> {
@@ -94,11 +96,36 @@ pub fn check_push(
     let mut batch_bodies: BTreeMap<(String, String), Vec<u8>> = BTreeMap::new();
     let mut outcomes: BTreeMap<(String, String), Vec<u8>> = BTreeMap::new();
     let mut applied: BTreeMap<(String, String), Applied> = BTreeMap::new();
+    // A sealed batch's terminal answer never changes: the same bytes always
+    // get the same status (a 400 is never retried into a 200, or back).
+    let mut terminal: BTreeMap<(&str, &[u8]), u16> = BTreeMap::new();
     for (i, x) in exchanges.iter().enumerate() {
+        let mut fail = |m: String| errors.push(format!("exchange {i} of {}: {m}", x.client_id));
+        let first = *terminal
+            .entry((x.client_id.as_str(), x.request.as_slice()))
+            .or_insert(x.status);
+        if first != x.status {
+            fail(format!(
+                "a sealed batch was answered {first}, then {}",
+                x.status
+            ));
+        }
+        if x.status == 400 {
+            let code = json::parse(&x.response).ok().and_then(|v| {
+                let e = obj(&v)?.get("error")?.clone();
+                let retryable = obj(&e)?.get("retryable")? == &Value::Bool(true);
+                Some((text(&e, "code")?.to_owned(), retryable))
+            });
+            if code != Some(("invalid_request".into(), false)) {
+                fail("a 400 is not a terminal invalid_request".into());
+            }
+            if first == 400 && x.status == 400 {
+                stats.invalid += 1;
+            }
+        }
         if x.status != 200 {
             continue;
         }
-        let mut fail = |m: String| errors.push(format!("exchange {i} of {}: {m}", x.client_id));
         let (Ok(req), Ok(resp)) = (json::parse(&x.request), json::parse(&x.response)) else {
             fail("request or response is not JSON".into());
             continue;
@@ -309,6 +336,29 @@ mod tests {
     }
 
     const REQ: &str = r#"{"batch_id":"b1","mutations":[{"mutation_id":"m1","op":"update","base_version":"v1"},{"mutation_id":"m2","op":"insert"}]}"#;
+
+    #[test]
+    fn a_terminal_answer_never_changes() {
+        let invalid = r#"{"error":{"code":"invalid_request","message":"m","retryable":false}}"#;
+        let refused = PushExchange {
+            status: 400,
+            ..exchange("c1", REQ, invalid)
+        };
+        let h = vec![refused.clone(), refused.clone()];
+        assert_eq!(check_push(&h, &[], &[]).unwrap().invalid, 2);
+        // The same sealed bytes later executed: caught.
+        let resp = r#"{"accepted":[],"batch_id":"b1","rejected":[{"code":"row_already_exists","mutation_id":"m1","status":"conflict"},{"code":"row_already_exists","mutation_id":"m2","status":"conflict"}]}"#;
+        let h = vec![refused.clone(), exchange("c1", REQ, resp)];
+        let e = check_push(&h, &[], &[]).unwrap_err();
+        assert!(e[0].contains("answered 400, then 200"), "{e:?}");
+        // A 400 that says retry: caught.
+        let retry = PushExchange {
+            response: invalid.replace("false", "true").into_bytes(),
+            ..refused
+        };
+        let e = check_push(&[retry], &[], &[]).unwrap_err();
+        assert!(e[0].contains("not a terminal invalid_request"), "{e:?}");
+    }
 
     fn resp(v: &str) -> String {
         format!(

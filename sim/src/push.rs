@@ -36,6 +36,10 @@ const PUSH: u8 = 1;
 /// Notes per user that the user's clients write (a small pool, so they collide).
 const POOL: usize = 5;
 
+/// 503s in a row after which a sealed batch counts as never answered (the
+/// server crashes and loses messages, but recovers within seconds).
+const MAX_UNAVAILABLE_IN_A_ROW: usize = 150;
+
 /// Note `k` of `user-N`'s pool: `notes.id` is a `uuid` column, so a key
 /// is a UUID in its printed form.
 fn note_key(user: &str, k: usize) -> String {
@@ -235,6 +239,22 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
             };
             mutations.push(m);
         }
+        // Now and then a key no column can hold (U+0000): the sealed batch
+        // must get a terminal 400 on every try, never a 503 or a 200.
+        let poisoned = rng.gen_bool(0.08);
+        if poisoned {
+            next_mutation += 1;
+            let key = format!("{}\0", note_key(&user, 0));
+            let title = json::object([("fld_notes_title", Value::string("poisoned"))]);
+            mutations.push(note_mutation(
+                next_mutation,
+                &key,
+                &schema,
+                "insert",
+                None,
+                Some(title),
+            ));
+        }
         let mut body = Object::new();
         body.insert("client_id".into(), Value::string(&client_id));
         body.insert("client_generation".into(), generation.clone());
@@ -255,7 +275,16 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
         if twice {
             trace.lock().expect("trace").duplicates += 1;
         }
+        // A retry must be able to cure a 503: a batch that only ever gets
+        // 503s has no terminal answer, and its client would retry for ever.
+        let mut unavailable_in_a_row = 0;
         loop {
+            if unavailable_in_a_row > MAX_UNAVAILABLE_IN_A_ROW {
+                trace.lock().expect("trace").problems.push(format!(
+                    "{client_id} batch {b}: no terminal answer after {MAX_UNAVAILABLE_IN_A_ROW} tries"
+                ));
+                break;
+            }
             let answers = link.call(&user, PUSH, &request, twice, &trace).await;
             let mut done = None;
             for (status, response) in answers {
@@ -270,7 +299,7 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
                     status,
                     response: response.clone(),
                 });
-                if status != 200 {
+                if status != 200 && !(poisoned && status == 400) {
                     t.problems.push(format!(
                         "{client_id} batch {b}: status {status}: {}",
                         String::from_utf8_lossy(&response)
@@ -280,6 +309,7 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
             }
             let Some(response) = done else {
                 // Retryable: the identical sealed batch again after a pause.
+                unavailable_in_a_row += 1;
                 sleep(Duration::from_millis(200)).await;
                 continue;
             };
