@@ -869,6 +869,15 @@ async fn request_errors<S: Store>(store: &S, c: &PushClient) {
             );
         }
     }
+    // Two spellings of one row in an atomic batch are not two rows: the
+    // respelled one makes the request invalid.
+    let lower = "018f2b5e-7c42-7a1d-9d31-8a95bd6740ab";
+    let both = vec![
+        note_mutation(947, lower, s, "insert", None, Some(note_columns("k"))),
+        note_mutation(948, upper, s, "insert", None, Some(note_columns("k"))),
+    ];
+    let (st, r, _) = c.push(&c.batch(947, both, true)).await;
+    assert_eq!((st, error_code(&r).as_str()), (400, "invalid_request"));
     // A column value the database cannot hold is that mutation's terminal
     // outcome; the rest of the batch proceeds.
     let cols = |title: &str| {
