@@ -521,7 +521,9 @@ impl<S: Store> Registry<S> {
             (Some(c), Some(presented)) if presented == c.generation => Ok((c, false)),
             // A stale or never issued generation: the next one of ours.
             (Some(mut c), Some(_)) => {
-                c.generation = next_counter(c.generation)?;
+                let old = c.generation;
+                c.generation = next_counter(old)?;
+                assert!(c.generation > old, "a generation only moves forward");
                 Ok((c, true))
             }
         }
