@@ -9,6 +9,7 @@ pub mod config;
 pub mod engine;
 pub mod ledger;
 pub mod materializer;
+pub mod pull;
 pub mod registry;
 pub mod reply;
 pub mod store;
