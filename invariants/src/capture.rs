@@ -8,6 +8,8 @@
 //!   (nothing skipped, nothing stale, commit order kept);
 //! - every row a transaction wrote reaches every scope it was or is in;
 //! - positions strictly increase within a scope;
+//! - every effect, a delete without a row included, carries the version its
+//!   row had after that commit (a hard delete: its deletion fence's);
 //! - the final projections equal the model replayed to the end.
 //!
 //! The model knows the example's rules by hand: a note is in `user:{owner_id}`
@@ -35,6 +37,8 @@ pub enum SourceWrite {
 pub struct SourceCommit {
     pub commit_lsn: u64,
     pub writes: Vec<SourceWrite>,
+    /// The version each registered row it wrote has after it, by key.
+    pub versions: BTreeMap<String, String>,
 }
 
 /// What an effect told a scope's clients.
@@ -54,6 +58,8 @@ pub struct ObservedEffect {
     /// The primary key's wire text (a string key, unquoted).
     pub key: String,
     pub kind: EffectKind,
+    /// The `server_version` the effect carries.
+    pub version: String,
 }
 
 /// One final projection.
@@ -202,6 +208,32 @@ fn content_of(row: &Value, tombstone: bool) -> Content {
 }
 
 /// Judges the effects and final projections against the history.
+/// Every effect carries the version its row had after the effect's commit:
+/// the version of the row's latest write at or before that commit.
+fn check_versions(history: &[SourceCommit], effects: &[ObservedEffect], out: &mut Vec<String>) {
+    let mut written: BTreeMap<&str, Vec<(u64, &str)>> = BTreeMap::new();
+    for c in history {
+        for (key, version) in &c.versions {
+            written
+                .entry(key)
+                .or_default()
+                .push((c.commit_lsn, version));
+        }
+    }
+    for e in effects {
+        let had = written
+            .get(e.key.as_str())
+            .and_then(|w| w.iter().rev().find(|(lsn, _)| *lsn <= e.position.0))
+            .map(|(_, v)| *v);
+        if had != Some(e.version.as_str()) {
+            out.push(format!(
+                "the effect of {} at commit {} in {} carries another version than the row had",
+                e.key, e.position.0, e.scope
+            ));
+        }
+    }
+}
+
 pub fn check_capture(
     history: &[SourceCommit],
     effects: &[ObservedEffect],
@@ -227,6 +259,8 @@ pub fn check_capture(
             }
         }
     }
+
+    check_versions(history, effects, &mut violations);
 
     let mut model = Model::default();
     let mut replicas: BTreeMap<String, BTreeMap<String, Content>> = BTreeMap::new();
@@ -367,6 +401,7 @@ mod tests {
             position: (lsn, ev, 0),
             key: key.into(),
             kind,
+            version: format!("v{lsn}"),
         }
     }
 
@@ -386,10 +421,12 @@ mod tests {
             SourceCommit {
                 commit_lsn: 10,
                 writes: vec![n("a", "u1")],
+                versions: BTreeMap::from([("n1".to_owned(), "v10".to_owned())]),
             },
             SourceCommit {
                 commit_lsn: 20,
                 writes: vec![n("b", "u2")],
+                versions: BTreeMap::from([("n1".to_owned(), "v20".to_owned())]),
             },
         ]
     }
@@ -451,11 +488,15 @@ mod tests {
         );
         let mut phantom = good();
         phantom.push(effect("user:u3", 15, 0, "n1", EffectKind::Delete));
+        // A delete leaving user:u1 with the row's old version, not its new one.
+        let mut old_version = good();
+        old_version[1].version = "v10".into();
         for (name, effects) in [
             ("skipped", skipped),
             ("doubled", doubled),
             ("stale", stale),
             ("phantom", phantom),
+            ("old version", old_version),
         ] {
             assert!(
                 check_capture(&history(), &effects, &projection()).is_err(),

@@ -210,10 +210,31 @@ async fn writer(
                 random_write(&mut tx, &mut notes, index, &mut counter, &mut writes);
             }
         }
+        // The version each written row has now, for the version invariant.
+        let mut versions = BTreeMap::new();
+        for w in &writes {
+            let (relation, key) = match w {
+                SourceWrite::Put { relation, image } => {
+                    (relation, image.get("id").cloned().flatten())
+                }
+                SourceWrite::Delete { relation, key } => (relation, key.first().cloned()),
+            };
+            let table_id = match relation.as_str() {
+                "public.notes" => "tbl_notes",
+                "public.templates" => "tbl_templates",
+                _ => continue, // note_shares is not registered
+            };
+            if let Some(key) = key
+                && let Some(v) = tx.row_version(table_id, &key)
+            {
+                versions.insert(key, v);
+            }
+        }
         // Recorded under the store lock, so the history is in commit order.
         history.lock().unwrap().push(SourceCommit {
             commit_lsn: tx.source_commit_lsn(),
             writes,
+            versions,
         });
         tx.commit().await.unwrap();
     }
@@ -228,7 +249,7 @@ async fn capture_server() {
 
 fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedEffect, String> {
     let kind = match &e.op {
-        EffectOp::Upsert(r) | EffectOp::Delete(Some(r)) => {
+        EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
             let row = json::parse(r.row.as_bytes()).map_err(|_| "effect row is not JSON")?;
             let table = manifest.table(&e.table_id).ok_or("unknown table")?;
             let decoded = table
@@ -253,9 +274,10 @@ fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedE
                 EffectKind::Tombstone(row)
             }
         }
-        EffectOp::Delete(None) => EffectKind::Delete,
+        EffectOp::Remove(_) => EffectKind::Delete,
     };
     Ok(ObservedEffect {
+        version: e.op.version().as_str().to_owned(),
         scope: e.scope.as_str().to_owned(),
         position: (e.commit_lsn, e.event_ordinal, e.effect_ordinal),
         key: match &e.key {

@@ -478,7 +478,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
             .await
             .map_err(|e| e.to_string())?
         {
-            let (EffectOp::Upsert(r) | EffectOp::Delete(Some(r))) = &e.op else {
+            let (EffectOp::Upsert(r) | EffectOp::Tombstone(r)) = &e.op else {
                 continue;
             };
             let key = e.key.as_str().ok_or("a string key")?.to_owned();

@@ -134,7 +134,14 @@ fn effect(r: &PgRow) -> Result<Effect, StoreError> {
     };
     let op = match (r.try_get::<i16, _>("op").map_err(get)?, captured) {
         (0, Some(c)) => EffectOp::Upsert(c),
-        (1, c) => EffectOp::Delete(c),
+        (1, Some(c)) => EffectOp::Tombstone(c),
+        // A delete without a row still has its version (not one made before
+        // migration 0006, whose deletes had none).
+        (1, None) => EffectOp::Remove(version(
+            r.try_get::<Option<&str>, _>("version")
+                .map_err(get)?
+                .ok_or_else(|| integrity("a delete effect without its version"))?,
+        )?),
         _ => return Err(integrity("effect op")),
     };
     let scope: String = r.try_get("scope_id").map_err(get)?;
@@ -443,11 +450,7 @@ impl PgTx {
         }
         if !m.effects.is_empty() {
             let e = &m.effects;
-            let row = |e: &Effect| match &e.op {
-                EffectOp::Upsert(c) | EffectOp::Delete(Some(c)) => Some(c.clone()),
-                EffectOp::Delete(None) => None,
-            };
-            let rows: Vec<Option<CapturedRow>> = e.iter().map(row).collect();
+            let rows: Vec<Option<&CapturedRow>> = e.iter().map(|e| e.op.row()).collect();
             let positions = e
                 .iter()
                 .map(|e| {
@@ -475,13 +478,13 @@ impl PgTx {
                 e.iter()
                     .map(|e| match e.op {
                         EffectOp::Upsert(_) => 0i16,
-                        EffectOp::Delete(_) => 1,
+                        EffectOp::Tombstone(_) | EffectOp::Remove(_) => 1,
                     })
                     .collect::<Vec<_>>(),
             )
-            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.row.as_str())).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.version.as_str())).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.as_ref().map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.map(|c| c.row.as_str())).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| e.op.version().as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
             .execute(&mut *tx)
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;

@@ -271,8 +271,30 @@ pub struct CapturedRow {
 pub enum EffectOp {
     /// The row is live in the scope.
     Upsert(CapturedRow),
-    /// The row left the scope or was deleted; `Some` carries a source tombstone.
-    Delete(Option<CapturedRow>),
+    /// The row is a source tombstone (soft-deleted): a delete carrying it.
+    Tombstone(CapturedRow),
+    /// The row left the scope, or was hard-deleted: a delete without a row,
+    /// at the version the row had then (after a hard delete, its deletion
+    /// fence's). Every delete of the wire carries a `server_version`.
+    Remove(ServerVersion),
+}
+
+impl EffectOp {
+    /// The captured row, for an upsert or a tombstone.
+    pub fn row(&self) -> Option<&CapturedRow> {
+        match self {
+            EffectOp::Upsert(r) | EffectOp::Tombstone(r) => Some(r),
+            EffectOp::Remove(_) => None,
+        }
+    }
+
+    /// The row's version at the effect.
+    pub fn version(&self) -> &ServerVersion {
+        match self {
+            EffectOp::Upsert(r) | EffectOp::Tombstone(r) => &r.version,
+            EffectOp::Remove(v) => v,
+        }
+    }
 }
 
 /// One per-scope effect at its delivery position.

@@ -231,8 +231,9 @@ struct RowState {
     key: String,
     wire_key: Value,
     before: Option<Projection>,
-    /// `Some(None)` after a delete; `None` while untouched.
-    after: Option<Option<(Value, Row, ServerVersion)>>,
+    /// `Some(Err(version))` after a delete, at its deletion fence's version;
+    /// `None` while untouched.
+    after: Option<Result<(Value, Row, ServerVersion), ServerVersion>>,
     /// The ordinal of the last event that touched or impacted the row.
     ordinal: u64,
 }
@@ -283,14 +284,14 @@ fn materialize(
             let row = row_state(state, &mut rows, table, &key)?;
             row.ordinal = ordinal;
             row.after = Some(match (&event.kind, &event.new) {
-                (ChangeKind::Delete, _) => None,
+                (ChangeKind::Delete, _) => Err(version),
                 (_, Some(new)) => {
                     let base = match &row.after {
-                        Some(after) => after.as_ref().map(|(r, _, _)| r),
+                        Some(after) => after.as_ref().ok().map(|(r, _, _)| r),
                         None => row.before.as_ref().map(|p| &p.row),
                     };
                     let (wire, decoded) = table.wire_row(new, base)?;
-                    Some((wire, decoded, version))
+                    Ok((wire, decoded, version))
                 }
                 (_, None) => return Err(CaptureProblem::Undecodable),
             });
@@ -341,31 +342,39 @@ fn materialize(
             .ok_or(CaptureProblem::RelationDrift)?;
         let touched = row.after.is_some();
         let touched_after = row.after.take();
-        let after = match touched_after {
-            Some(after) => after.map(|(wire, decoded, v)| (wire, Some(decoded), v)),
-            None => row
-                .before
-                .as_ref()
-                .map(|p| (p.row.clone(), None, p.version.clone())),
-        };
         let old_scopes = row
             .before
             .as_ref()
             .map(|p| p.scopes.clone())
             .unwrap_or_default();
         let slot = (row.table_id.clone(), identity.clone());
-        let Some((wire, decoded, version)) = after else {
-            for scope in &old_scopes {
-                out.effects.push(effect(
-                    scope,
-                    &row,
-                    &identity,
-                    EffectOp::Delete(None),
-                    source,
-                ));
+        // The row after the transaction, or the version it was deleted at.
+        let after = match touched_after {
+            Some(after) => after.map(|(wire, decoded, v)| (wire, Some(decoded), v)),
+            None => match row.before.as_ref() {
+                Some(p) => Ok((p.row.clone(), None, p.version.clone())),
+                // Impacted but never projected: it is in no scope.
+                None => {
+                    state.set_projection(slot, None);
+                    continue;
+                }
+            },
+        };
+        let (wire, decoded, version) = match after {
+            Ok(after) => after,
+            Err(deleted_at) => {
+                for scope in &old_scopes {
+                    out.effects.push(effect(
+                        scope,
+                        &row,
+                        &identity,
+                        EffectOp::Remove(deleted_at.clone()),
+                        source,
+                    ));
+                }
+                state.set_projection(slot, None);
+                continue;
             }
-            state.set_projection(slot, None);
-            continue;
         };
         let scopes = membership(state, table, &wire)?;
         if !touched && scopes == old_scopes {
@@ -394,19 +403,21 @@ fn materialize(
         for scope in &scopes {
             if touched || !old_scopes.contains(scope) {
                 let op = if tombstone {
-                    EffectOp::Delete(Some(captured.clone()))
+                    EffectOp::Tombstone(captured.clone())
                 } else {
                     EffectOp::Upsert(captured.clone())
                 };
                 out.effects.push(effect(scope, &row, &identity, op, source));
             }
         }
+        // Leaving a scope: the row's version now, whether or not this
+        // transaction wrote it.
         for scope in old_scopes.difference(&scopes) {
             out.effects.push(effect(
                 scope,
                 &row,
                 &identity,
-                EffectOp::Delete(None),
+                EffectOp::Remove(version.clone()),
                 source,
             ));
         }

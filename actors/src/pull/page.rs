@@ -167,7 +167,7 @@ mod tests {
             table_id: "t".into(),
             identity: RowIdentity::new("t", "id", &TypedValue::Int(key)),
             key: Value::int(i64::from(key)),
-            op: EffectOp::Delete(None),
+            op: EffectOp::Remove(protocol::ids::ServerVersion::parse("v").unwrap()),
         }
     }
 

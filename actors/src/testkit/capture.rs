@@ -171,11 +171,12 @@ fn summary(manifest: &Manifest, effects: &[Effect]) -> Vec<String> {
         .iter()
         .map(|e| {
             let key = json::to_canonical_string(&e.key);
-            let (op, row) = match &e.op {
-                EffectOp::Upsert(r) => ("upsert", Some(r)),
-                EffectOp::Delete(Some(r)) => ("tombstone", Some(r)),
-                EffectOp::Delete(None) => ("delete", None),
+            let op = match &e.op {
+                EffectOp::Upsert(_) => "upsert",
+                EffectOp::Tombstone(_) => "tombstone",
+                EffectOp::Remove(_) => "delete",
             };
+            let row = e.op.row();
             if let Some(r) = row {
                 let table = manifest.table(&e.table_id).unwrap();
                 let value = json::parse(r.row.as_bytes()).unwrap();
@@ -189,7 +190,7 @@ fn summary(manifest: &Manifest, effects: &[Effect]) -> Vec<String> {
 }
 
 fn field(e: &Effect, field_id: &str) -> Value {
-    let (EffectOp::Upsert(r) | EffectOp::Delete(Some(r))) = &e.op else {
+    let Some(r) = e.op.row() else {
         panic!("no row");
     };
     let row = json::parse(r.row.as_bytes()).unwrap();
@@ -197,10 +198,7 @@ fn field(e: &Effect, field_id: &str) -> Value {
 }
 
 fn version(e: &Effect) -> String {
-    match &e.op {
-        EffectOp::Upsert(r) | EffectOp::Delete(Some(r)) => r.version.as_str().to_owned(),
-        EffectOp::Delete(None) => panic!("no row"),
-    }
+    e.op.version().as_str().to_owned()
 }
 
 /// Direct application writes become exactly the expected per-scope effects,
@@ -319,8 +317,10 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
             format!("delete {}", n(N1)),
         ]
     );
-    // Entering a scope carries the row as it is, at its current version.
+    // Entering a scope carries the row as it is, at its current version;
+    // leaving one carries the version it has then.
     assert_eq!(version(&red[0]), version(&alice[1]));
+    assert_eq!(version(&red[2]), version(&alice[2]));
     assert_eq!(field(&red[0], "fld_notes_title"), Value::string("t2"));
     // One update reaches both scopes at one event, with one version.
     assert_eq!(version(&red[1]), version(&alice[2]));
@@ -345,7 +345,10 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     for list in [&alice, &bob, &public, &red] {
         assert!(list.windows(2).all(|w| w[0].position() < w[1].position()));
     }
-    // n3 never existed for anyone; n4 moved.
+    // A hard delete carries a version of its own (the deletion fence).
+    assert_ne!(version(&bob[1]), version(&bob[0]));
+    // n3 never existed for anyone; n4 moved, and leaving carol's scope it
+    // carries the version the move made, the one dave's scope gets.
     let carol = effects(&store, "user:carol").await;
     assert_eq!(
         summary(&manifest, &carol),
@@ -353,6 +356,8 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     );
     let dave = effects(&store, "user:dave").await;
     assert_eq!(summary(&manifest, &dave), [format!("upsert {}", n(N4))]);
+    assert_eq!(version(&carol[1]), version(&dave[0]));
+    assert_ne!(version(&carol[1]), version(&carol[0]));
     assert_eq!(field(&dave[0], "fld_notes_owner"), Value::string("dave"));
     // Idle and caught up: no lag.
     for _ in 0..400 {
@@ -577,6 +582,8 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         version: ServerVersion::parse("v1").unwrap(),
         digest: Digest([7; 32]),
     };
+    // A delete without a row still carries the version the row had.
+    let removed = ServerVersion::parse("v2").unwrap();
     let share = DependencyRow {
         relation: "public.note_shares".into(),
         identity: r#"{"note_id":"n1","team_id":"red"}"#.into(),
@@ -670,7 +677,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     assert!(
         tx.scope_effects(
             &scope,
-            effect(100, EffectOp::Delete(None)).position(),
+            effect(100, EffectOp::Remove(removed.clone())).position(),
             Boundary::TransactionEnd { commit_lsn: 100 }
         )
         .await
@@ -704,10 +711,10 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     let mut same_position = at(200);
     same_position
         .effects
-        .push(effect(200, EffectOp::Delete(None)));
+        .push(effect(200, EffectOp::Remove(removed.clone())));
     same_position
         .effects
-        .push(effect(200, EffectOp::Delete(None)));
+        .push(effect(200, EffectOp::Remove(removed.clone())));
     let mut tx_twice = at(200);
     tx_twice.transactions.push(tx_twice.transactions[0]);
     for (what, m) in [
@@ -737,7 +744,9 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     second
         .removed_dependencies
         .push(("public.note_shares".into(), share.identity.clone()));
-    second.effects.push(effect(300, EffectOp::Delete(None)));
+    second
+        .effects
+        .push(effect(300, EffectOp::Remove(removed.clone())));
     let mut tx = store.begin().await.unwrap();
     tx.quarantine(&Quarantine {
         commit_lsn: 250,
@@ -795,7 +804,10 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         )
         .await
         .unwrap();
-    assert_eq!(after_first, [effect(300, EffectOp::Delete(None))]);
+    assert_eq!(
+        after_first,
+        [effect(300, EffectOp::Remove(removed.clone()))]
+    );
     let mut third = at(400);
     third
         .removed_projections

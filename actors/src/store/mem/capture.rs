@@ -346,6 +346,16 @@ impl MemTx {
         Ok(())
     }
 
+    /// The version a registered row has in this transaction (its deletion
+    /// fence's after a hard delete).
+    pub fn row_version(&self, table_id: &str, key: &str) -> Option<String> {
+        self.work
+            .capture
+            .versions
+            .get(&(table_id.to_owned(), key.to_owned()))
+            .map(|v| v.version.clone())
+    }
+
     /// The commit LSN this transaction gets if it commits source writes.
     pub fn source_commit_lsn(&self) -> Lsn {
         self.work.capture.next_lsn
