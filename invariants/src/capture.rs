@@ -10,7 +10,10 @@
 //! - positions strictly increase within a scope;
 //! - every effect, a delete without a row included, carries the version its
 //!   row had after that commit (a hard delete: its deletion fence's);
-//! - the final projections equal the model replayed to the end.
+//! - the final projections equal the model replayed to the end;
+//! - each scope's membership index (its rows in row-identity order, with
+//!   their digests) equals what a client holds after applying the scope's
+//!   effects.
 //!
 //! The model knows the example's rules by hand: a note is in `user:{owner_id}`
 //! and in `team:{team_id}` for each of its `note_shares` rows; a template is
@@ -60,6 +63,62 @@ pub struct ObservedEffect {
     pub kind: EffectKind,
     /// The `server_version` the effect carries.
     pub version: String,
+    /// The row identity bytes, and the carried row's digest (none for a removal).
+    pub identity: Vec<u8>,
+    pub digest: Option<[u8; 32]>,
+}
+
+/// A scope's membership index as the store answers it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObservedMembers {
+    pub scope: String,
+    /// (row identity, row digest), in the order the store gave them.
+    pub rows: Vec<(Vec<u8>, [u8; 32])>,
+}
+
+/// Judges each scope's membership index against its effects replayed in
+/// position order: the same rows, the same digests, strictly in row-identity order.
+pub fn check_members(
+    effects: &[ObservedEffect],
+    members: &[ObservedMembers],
+) -> Result<(), Vec<String>> {
+    let mut by_scope: BTreeMap<&str, Vec<&ObservedEffect>> = BTreeMap::new();
+    for e in effects {
+        by_scope.entry(&e.scope).or_default().push(e);
+    }
+    let mut violations = Vec::new();
+    for m in members {
+        if m.rows.windows(2).any(|w| w[0].0 >= w[1].0) {
+            violations.push(format!(
+                "{}: members are not in row-identity order",
+                m.scope
+            ));
+        }
+        let mut held: BTreeMap<&[u8], [u8; 32]> = BTreeMap::new();
+        let mut list = by_scope.get(m.scope.as_str()).cloned().unwrap_or_default();
+        list.sort_by_key(|e| e.position);
+        for e in list {
+            match e.digest {
+                Some(d) => held.insert(&e.identity, d),
+                None => held.remove(e.identity.as_slice()),
+            };
+        }
+        let want: Vec<(Vec<u8>, [u8; 32])> =
+            held.into_iter().map(|(i, d)| (i.to_vec(), d)).collect();
+        if want != m.rows {
+            violations.push(format!(
+                "{}: the membership index holds {} rows, its effects leave {}",
+                m.scope,
+                m.rows.len(),
+                want.len()
+            ));
+        }
+    }
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(violations)
+    }
 }
 
 /// One final projection.
@@ -402,6 +461,8 @@ mod tests {
             key: key.into(),
             kind,
             version: format!("v{lsn}"),
+            identity: key.as_bytes().to_vec(),
+            digest: None,
         }
     }
 
@@ -459,6 +520,39 @@ mod tests {
             tombstone: false,
             scopes: BTreeSet::from(["user:u2".to_owned()]),
         }]
+    }
+
+    #[test]
+    fn the_membership_index_is_judged_by_the_effects() {
+        let mut effects = good();
+        for e in &mut effects {
+            if !matches!(e.kind, EffectKind::Delete) {
+                e.digest = Some([e.position.0 as u8; 32]);
+            }
+        }
+        let members = |scope: &str, rows: Vec<(Vec<u8>, [u8; 32])>| ObservedMembers {
+            scope: scope.into(),
+            rows,
+        };
+        let good_members = vec![
+            members("user:u1", vec![]),
+            members("user:u2", vec![(b"n1".to_vec(), [20; 32])]),
+        ];
+        assert_eq!(check_members(&effects, &good_members), Ok(()));
+        // A row left behind in the scope it left, a missing row, a stale digest.
+        for bad in [
+            vec![members("user:u1", vec![(b"n1".to_vec(), [10; 32])])],
+            vec![members("user:u2", vec![])],
+            vec![members("user:u2", vec![(b"n1".to_vec(), [10; 32])])],
+        ] {
+            assert!(check_members(&effects, &bad).is_err(), "{bad:?}");
+        }
+        let unordered = vec![members(
+            "x",
+            vec![(b"b".to_vec(), [0; 32]), (b"a".to_vec(), [0; 32])],
+        )];
+        let e = check_members(&[], &unordered).err().unwrap_or_default();
+        assert!(e.first().is_some_and(|m| m.contains("order")), "{e:?}");
     }
 
     #[test]

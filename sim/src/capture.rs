@@ -11,7 +11,7 @@ use std::time::Duration;
 use actors::capture::{EffectOp, SourceImage};
 use actors::store::{MemStore, MemTx, Store, StoreTx};
 use invariants::capture::{
-    EffectKind, ObservedEffect, ObservedProjection, SourceCommit, SourceWrite,
+    EffectKind, ObservedEffect, ObservedMembers, ObservedProjection, SourceCommit, SourceWrite,
 };
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
@@ -52,6 +52,8 @@ pub struct CaptureTrace {
     pub history: Vec<SourceCommit>,
     pub effects: Vec<ObservedEffect>,
     pub projections: Vec<ObservedProjection>,
+    /// Every scope's membership index at the end.
+    pub members: Vec<ObservedMembers>,
     pub crashes: usize,
     /// Feed deliveries beyond one per committed transaction.
     pub redeliveries: u64,
@@ -278,6 +280,8 @@ fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedE
     };
     Ok(ObservedEffect {
         version: e.op.version().as_str().to_owned(),
+        identity: e.identity.as_bytes().to_vec(),
+        digest: e.op.row().map(|r| r.digest.0),
         scope: e.scope.as_str().to_owned(),
         position: (e.commit_lsn, e.event_ordinal, e.effect_ordinal),
         key: match &e.key {
@@ -429,6 +433,19 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
                 scopes: p.scopes.iter().map(|s| s.as_str().to_owned()).collect(),
             });
         }
+    }
+    let scopes: std::collections::BTreeSet<String> =
+        trace.effects.iter().map(|e| e.scope.clone()).collect();
+    for scope in scopes {
+        let id = ScopeId::parse(&scope).ok_or("scope")?;
+        let rows = tx.scope_members(&id).await.map_err(|e| e.to_string())?;
+        trace.members.push(ObservedMembers {
+            scope,
+            rows: rows
+                .into_iter()
+                .map(|(i, d)| (i.as_bytes().to_vec(), d.0))
+                .collect(),
+        });
     }
     Ok(trace)
 }

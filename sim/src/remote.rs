@@ -22,7 +22,7 @@ use actors::ledger::contract::{
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use madsim::net::Endpoint;
 use madsim::time::{Instant, sleep, timeout};
-use protocol::digest::RowIdentity;
+use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
@@ -51,6 +51,7 @@ enum Op {
     CaptureProgress,
     RecordHeartbeat(Heartbeat),
     CaptureHealth,
+    ScopeMembers(ScopeId),
     Projections(String, Vec<RowIdentity>),
     DependencyRowsById(String, Vec<String>),
     DependencyRows(String, String, Vec<String>),
@@ -80,6 +81,7 @@ enum Answer {
     Strings(Result<Vec<String>, StoreError>),
     Progress(Result<CaptureProgress, StoreError>),
     Health(Result<CaptureHealth, StoreError>),
+    Members(Result<Vec<(RowIdentity, Digest)>, StoreError>),
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
@@ -358,6 +360,7 @@ async fn transaction(
             Op::CaptureProgress => (Answer::Progress(tx.capture_progress().await), false),
             Op::RecordHeartbeat(b) => (Answer::Unit(tx.record_heartbeat(&b).await), false),
             Op::CaptureHealth => (Answer::Health(tx.capture_health().await), false),
+            Op::ScopeMembers(s) => (Answer::Members(tx.scope_members(&s).await), false),
             Op::Projections(t, rows) => {
                 (Answer::Projections(tx.projections(&t, &rows).await), false)
             }
@@ -737,6 +740,16 @@ impl StoreTx for RemoteTx {
     async fn capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
         match self.call(Op::CaptureHealth).await? {
             Answer::Health(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn scope_members(
+        &mut self,
+        scope: &ScopeId,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        match self.call(Op::ScopeMembers(scope.clone())).await? {
+            Answer::Members(r) => r,
             _ => Err(mismatch()),
         }
     }

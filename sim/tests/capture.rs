@@ -28,9 +28,11 @@ async fn capture_under_faults() {
     );
     assert!(trace.crashes >= 1, "the materializer crashed\n{reproduce}");
     assert!(!trace.effects.is_empty());
-    if let Err(v) =
+    let checked =
         invariants::capture::check_capture(&trace.history, &trace.effects, &trace.projections)
-    {
+            .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members));
+    assert!(!trace.members.is_empty(), "the membership index was read");
+    if let Err(v) = checked {
         panic!(
             "{} capture violation(s), first: {}\n{reproduce}",
             v.len(),

@@ -330,6 +330,13 @@ impl StoreTx for PgTx {
         self.read_capture_progress().await
     }
 
+    async fn scope_members(
+        &mut self,
+        scope: &ScopeId,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        self.read_scope_members(scope).await
+    }
+
     async fn record_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
         self.write_heartbeat(beat).await
     }

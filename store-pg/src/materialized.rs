@@ -273,6 +273,28 @@ impl PgTx {
         })
     }
 
+    pub(crate) async fn read_scope_members(
+        &mut self,
+        scope: &ScopeId,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        sqlx::query(
+            "SELECT m.identity, p.digest FROM synchro.scope_members m \
+             JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
+             WHERE m.scope_id = $1 ORDER BY m.identity",
+        )
+        .bind(scope.as_str())
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(|r| {
+            let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
+            let d: Vec<u8> = r.try_get(1).map_err(db_error)?;
+            Ok((RowIdentity::from_bytes(identity), digest(&d)?))
+        })
+        .collect()
+    }
+
     pub(crate) async fn read_projections(
         &mut self,
         table_id: &str,
@@ -422,6 +444,7 @@ impl PgTx {
                 return Err(integrity("a removed projection was absent"));
             }
         }
+        write_members(tx, m).await?;
         if !m.removed_dependencies.is_empty() {
             let r = &m.removed_dependencies;
             sqlx::query(
@@ -544,4 +567,54 @@ impl PgTx {
         .map(effect)
         .collect()
     }
+}
+
+/// Keeps the membership index with the projections: the rows a
+/// materialization replaced or removed leave their scopes, and the rows it
+/// inserted or replaced join theirs. Two statements, whatever the size.
+async fn write_members(tx: &mut sqlx::PgConnection, m: &Materialization) -> Result<(), StoreError> {
+    let leaving: Vec<(&str, &[u8])> = m
+        .put_projections
+        .iter()
+        .map(|p| (p.table_id.as_str(), p.identity.as_bytes()))
+        .chain(
+            m.removed_projections
+                .iter()
+                .map(|(t, i)| (t.as_str(), i.as_bytes())),
+        )
+        .collect();
+    if !leaving.is_empty() {
+        sqlx::query(
+            "DELETE FROM synchro.scope_members m USING UNNEST($1::text[], $2::bytea[]) AS u(t, i) \
+             WHERE m.table_id = u.t AND m.identity = u.i",
+        )
+        .bind(leaving.iter().map(|(t, _)| *t).collect::<Vec<_>>())
+        .bind(leaving.iter().map(|(_, i)| *i).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+    }
+    let joining: Vec<(&str, &[u8], &str)> = m
+        .new_projections
+        .iter()
+        .chain(&m.put_projections)
+        .flat_map(|p| {
+            p.scopes
+                .iter()
+                .map(|s| (s.as_str(), p.identity.as_bytes(), p.table_id.as_str()))
+        })
+        .collect();
+    if !joining.is_empty() {
+        sqlx::query(
+            "INSERT INTO synchro.scope_members (scope_id, identity, table_id) \
+             SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[])",
+        )
+        .bind(joining.iter().map(|j| j.0).collect::<Vec<_>>())
+        .bind(joining.iter().map(|j| j.1).collect::<Vec<_>>())
+        .bind(joining.iter().map(|j| j.2).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await
+        .map_err(unique_is_integrity("a row joined a scope twice"))?;
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use std::fmt;
 use std::future::Future;
 
 pub use mem::{MemFeed, MemStore, MemTx, SourceError};
-use protocol::digest::RowIdentity;
+use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
@@ -164,6 +164,13 @@ pub trait StoreTx: Send {
 
     /// The last heartbeat's age and lag, and whether a quarantine blocks capture.
     fn capture_health(&mut self) -> impl Future<Output = Result<CaptureHealth, StoreError>> + Send;
+
+    /// The rows of a scope now (tombstones included), in row-identity
+    /// order, with their row digests: what its scope digest covers.
+    fn scope_members(
+        &mut self,
+        scope: &ScopeId,
+    ) -> impl Future<Output = Result<Vec<(RowIdentity, Digest)>, StoreError>> + Send;
 
     /// The projections of these rows of a table that exist.
     fn projections(

@@ -165,6 +165,21 @@ async fn effects<S: Store>(store: &S, scope: &str) -> Vec<Effect> {
     .unwrap()
 }
 
+/// What a client holds for a scope after applying its effects in order:
+/// each row's identity and digest (tombstones included; a removal removes).
+pub fn held_after(
+    effects: &[Effect],
+) -> Vec<(protocol::digest::RowIdentity, protocol::digest::Digest)> {
+    let mut held = std::collections::BTreeMap::new();
+    for e in effects {
+        match e.op.row() {
+            Some(r) => held.insert(e.identity.clone(), r.digest),
+            None => held.remove(&e.identity),
+        };
+    }
+    held.into_iter().collect()
+}
+
 /// `op key` for each effect, and checks each carried row's digest with the protocol crate.
 fn summary(manifest: &Manifest, effects: &[Effect]) -> Vec<String> {
     effects
@@ -356,6 +371,23 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     );
     let dave = effects(&store, "user:dave").await;
     assert_eq!(summary(&manifest, &dave), [format!("upsert {}", n(N4))]);
+    // The membership index holds exactly what a client applying each
+    // scope's effects holds, in row-identity order.
+    for (name, list) in [
+        ("user:alice", &alice),
+        ("user:bob", &bob),
+        ("templates_public", &public),
+        ("team:red", &red),
+        ("user:carol", &carol),
+        ("user:dave", &dave),
+    ] {
+        let mut tx = store.begin().await.unwrap();
+        let members = tx
+            .scope_members(&ScopeId::parse(name).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(members, held_after(list), "{name}");
+    }
     assert_eq!(version(&carol[1]), version(&dave[0]));
     assert_ne!(version(&carol[1]), version(&carol[0]));
     assert_eq!(field(&dave[0], "fld_notes_owner"), Value::string("dave"));
@@ -642,6 +674,17 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
             .unwrap(),
         [projection("v1", &["templates_public"])]
     );
+    // The membership index: the scope's rows with their digests.
+    assert_eq!(
+        tx.scope_members(&scope).await.unwrap(),
+        [(identity.clone(), Digest([7; 32]))]
+    );
+    assert!(
+        tx.scope_members(&ScopeId::parse("elsewhere").unwrap())
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(
         tx.dependency_rows_by_identity(
             "public.note_shares",
@@ -781,6 +824,10 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         .await
         .unwrap();
     assert_eq!(stored[0].scopes, BTreeSet::new());
+    assert!(
+        tx.scope_members(&scope).await.unwrap().is_empty(),
+        "a row that left its scope is no member"
+    );
     assert!(
         tx.dependency_rows("public.note_shares", "note_id", &["n1".into()])
             .await

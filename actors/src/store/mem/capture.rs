@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use protocol::digest::RowIdentity;
+use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::ScopeId;
 use protocol::position::{Boundary, StreamPosition};
 use rand_chacha::ChaCha8Rng;
@@ -374,6 +374,20 @@ impl MemTx {
 
     pub(super) fn capture_progress(&self) -> CaptureProgress {
         self.work.capture.progress.clone()
+    }
+
+    pub(super) fn scope_members(&self, scope: &ScopeId) -> Vec<(RowIdentity, Digest)> {
+        // No index here: every projection is looked at, in identity order.
+        let mut members: Vec<(RowIdentity, Digest)> = self
+            .work
+            .capture
+            .projections
+            .values()
+            .filter(|p| p.scopes.contains(scope))
+            .map(|p| (p.identity.clone(), p.digest))
+            .collect();
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        members
     }
 
     pub(super) fn projections(&self, table_id: &str, rows: &[RowIdentity]) -> Vec<Projection> {

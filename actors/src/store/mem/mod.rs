@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use protocol::digest::RowIdentity;
+use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
@@ -327,6 +327,13 @@ impl StoreTx for MemTx {
             lag_bytes: c.heartbeat.map_or(0, |(_, _, lag)| lag),
             blocked: c.progress.quarantine.is_some(),
         })
+    }
+
+    async fn scope_members(
+        &mut self,
+        scope: &ScopeId,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        Ok(MemTx::scope_members(self, scope))
     }
 
     async fn projections(
