@@ -279,7 +279,7 @@ impl PgTx {
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
         sqlx::query(
             "SELECT m.identity, p.digest FROM synchro.scope_members m \
-             JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
+             LEFT JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
              WHERE m.scope_id = $1 ORDER BY m.identity",
         )
         .bind(scope.as_str())
@@ -289,7 +289,8 @@ impl PgTx {
         .iter()
         .map(|r| {
             let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
-            let d: Vec<u8> = r.try_get(1).map_err(db_error)?;
+            let d: Option<Vec<u8>> = r.try_get(1).map_err(db_error)?;
+            let d = d.ok_or_else(|| integrity("a member has no projection"))?;
             Ok((RowIdentity::from_bytes(identity), digest(&d)?))
         })
         .collect()
@@ -569,52 +570,56 @@ impl PgTx {
     }
 }
 
-/// Keeps the membership index with the projections: the rows a
-/// materialization replaced or removed leave their scopes, and the rows it
-/// inserted or replaced join theirs. Two statements, whatever the size.
+/// Applies the group's membership changes to the index: two statements,
+/// whatever the size, and none when no row changed scopes. A row that
+/// leaves a scope it is not in, or joins one it is in, means the
+/// materializer's view of prior state was wrong: an integrity failure.
 async fn write_members(tx: &mut sqlx::PgConnection, m: &Materialization) -> Result<(), StoreError> {
-    let leaving: Vec<(&str, &[u8])> = m
-        .put_projections
-        .iter()
-        .map(|p| (p.table_id.as_str(), p.identity.as_bytes()))
-        .chain(
-            m.removed_projections
+    if !m.left.is_empty() {
+        let done = sqlx::query(
+            "DELETE FROM synchro.scope_members m USING UNNEST($1::text[], $2::bytea[]) AS u(s, i) \
+             WHERE m.scope_id = u.s AND m.identity = u.i",
+        )
+        .bind(m.left.iter().map(|l| l.scope.as_str()).collect::<Vec<_>>())
+        .bind(
+            m.left
                 .iter()
-                .map(|(t, i)| (t.as_str(), i.as_bytes())),
+                .map(|l| l.identity.as_bytes())
+                .collect::<Vec<_>>(),
         )
-        .collect();
-    if !leaving.is_empty() {
-        sqlx::query(
-            "DELETE FROM synchro.scope_members m USING UNNEST($1::text[], $2::bytea[]) AS u(t, i) \
-             WHERE m.table_id = u.t AND m.identity = u.i",
-        )
-        .bind(leaving.iter().map(|(t, _)| *t).collect::<Vec<_>>())
-        .bind(leaving.iter().map(|(_, i)| *i).collect::<Vec<_>>())
         .execute(&mut *tx)
         .await
         .map_err(db_error)?;
+        if done.rows_affected() != m.left.len() as u64 {
+            return Err(integrity("a row left a scope it was not in"));
+        }
     }
-    let joining: Vec<(&str, &[u8], &str)> = m
-        .new_projections
-        .iter()
-        .chain(&m.put_projections)
-        .flat_map(|p| {
-            p.scopes
-                .iter()
-                .map(|s| (s.as_str(), p.identity.as_bytes(), p.table_id.as_str()))
-        })
-        .collect();
-    if !joining.is_empty() {
+    if !m.joined.is_empty() {
         sqlx::query(
             "INSERT INTO synchro.scope_members (scope_id, identity, table_id) \
              SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[])",
         )
-        .bind(joining.iter().map(|j| j.0).collect::<Vec<_>>())
-        .bind(joining.iter().map(|j| j.1).collect::<Vec<_>>())
-        .bind(joining.iter().map(|j| j.2).collect::<Vec<_>>())
+        .bind(
+            m.joined
+                .iter()
+                .map(|j| j.scope.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            m.joined
+                .iter()
+                .map(|j| j.identity.as_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            m.joined
+                .iter()
+                .map(|j| j.table_id.as_str())
+                .collect::<Vec<_>>(),
+        )
         .execute(&mut *tx)
         .await
-        .map_err(unique_is_integrity("a row joined a scope twice"))?;
+        .map_err(unique_is_integrity("a row joined a scope it was in"))?;
     }
     Ok(())
 }

@@ -350,9 +350,21 @@ pub struct Materialization {
     pub put_dependencies: Vec<DependencyRow>,
     /// (relation, identity) of removed dependency rows.
     pub removed_dependencies: Vec<(String, String)>,
+    /// The membership index's changes over the whole group: rows that
+    /// joined a scope they were not in before it, and rows that left one.
+    pub joined: Vec<Membership>,
+    pub left: Vec<Membership>,
     pub effects: Vec<Effect>,
     /// Fences this transaction satisfies.
     pub fences: Vec<u64>,
+}
+
+/// One row in one scope: an entry of the membership index.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Membership {
+    pub scope: ScopeId,
+    pub table_id: String,
+    pub identity: RowIdentity,
 }
 
 /// A heartbeat of the capture leader, written durably so that every

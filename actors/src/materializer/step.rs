@@ -20,7 +20,7 @@ use protocol::json::{self, Value};
 use super::model::{Model, Rule, Table};
 use crate::capture::{
     CaptureProblem, CapturedRow, ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization,
-    MaterializedTransaction, Projection, SourceImage, SourceTransaction,
+    MaterializedTransaction, Membership, Projection, SourceImage, SourceTransaction,
 };
 use crate::store::{StoreError, StoreTx};
 
@@ -40,8 +40,8 @@ struct State {
     dependencies: BTreeMap<(String, String), Option<SourceImage>>,
     changed_rows: BTreeSet<(String, RowIdentity)>,
     changed_dependencies: BTreeSet<(String, String)>,
-    /// Rows that had a projection before the group.
-    existed: BTreeSet<(String, RowIdentity)>,
+    /// Rows that had a projection before the group, with their scopes then.
+    existed: BTreeMap<(String, RowIdentity), BTreeSet<ScopeId>>,
     /// How to undo the current transaction's changes if it cannot materialize.
     undo: Vec<Undo>,
 }
@@ -206,7 +206,7 @@ async fn prefetch<T: StoreTx>(
         }
         for p in tx.projections(table_id, &identities).await? {
             let slot = (p.table_id.clone(), p.identity.clone());
-            state.existed.insert(slot.clone());
+            state.existed.insert(slot.clone(), p.scopes.clone());
             state.projections.insert(slot, Some(p));
         }
         // The dependency rows joined to these rows, for membership.
@@ -556,12 +556,25 @@ fn absorb(c: &mut Materialization, m: Materialization) {
 /// Each projection and dependency row the group changed, as the last
 /// transaction left it: written once.
 fn finish(mut c: Materialization, state: &State) -> Materialization {
+    let none = BTreeSet::new();
     for slot in &state.changed_rows {
-        let existed = state.existed.contains(slot);
-        match state.projections.get(slot).cloned().flatten() {
-            Some(p) if existed => c.put_projections.push(p),
+        let before = state.existed.get(slot);
+        let after = state.projections.get(slot).cloned().flatten();
+        // Membership changes against the scopes before the group: a row
+        // whose scopes did not change writes nothing to the index.
+        let now = after.as_ref().map_or(&none, |p| &p.scopes);
+        let then = before.unwrap_or(&none);
+        let member = |scope: &ScopeId| Membership {
+            scope: scope.clone(),
+            table_id: slot.0.clone(),
+            identity: slot.1.clone(),
+        };
+        c.joined.extend(now.difference(then).map(member));
+        c.left.extend(then.difference(now).map(member));
+        match after {
+            Some(p) if before.is_some() => c.put_projections.push(p),
             Some(p) => c.new_projections.push(p),
-            None if existed => c.removed_projections.push(slot.clone()),
+            None if before.is_some() => c.removed_projections.push(slot.clone()),
             None => {} // created and deleted within the group
         }
     }

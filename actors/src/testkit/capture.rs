@@ -284,9 +284,13 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
             &[("owner_id", Some("dave"))],
         )],
     ];
+    // Each step is materialized before the next is written, so that each
+    // is its own group: membership changes then cross group boundaries
+    // (within one group they would net out).
     let mut last = 0;
     for step in &steps {
         last = world.write(step).await;
+        assert_eq!(settle(&store, last).await.quarantine, None);
     }
     let progress = settle(&store, last).await;
     assert_eq!(progress.quarantine, None);
@@ -525,7 +529,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
 
     use crate::capture::{
         CapturedRow, DependencyRow, Heartbeat, Materialization, MaterializedTransaction,
-        Projection, Quarantine,
+        Membership, Projection, Quarantine,
     };
     use crate::store::StoreError;
 
@@ -651,10 +655,16 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     tx.commit().await.unwrap();
 
     // A materialization writes everything and moves progress.
+    let member = Membership {
+        scope: ScopeId::parse("templates_public").unwrap(),
+        table_id: "tbl_templates".into(),
+        identity: identity.clone(),
+    };
     let mut first = at(100);
     first
         .new_projections
         .push(projection("v1", &["templates_public"]));
+    first.joined.push(member.clone());
     first.put_dependencies.push(share.clone());
     first
         .effects
@@ -760,7 +770,16 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         .push(effect(200, EffectOp::Remove(removed.clone())));
     let mut tx_twice = at(200);
     tx_twice.transactions.push(tx_twice.transactions[0]);
+    let mut joined_twice = at(200);
+    joined_twice.joined.push(member.clone());
+    let mut left_absent = at(200);
+    left_absent.left.push(Membership {
+        scope: ScopeId::parse("elsewhere").unwrap(),
+        ..member.clone()
+    });
     for (what, m) in [
+        ("joining a scope the row is in", joined_twice),
+        ("leaving a scope the row is not in", left_absent),
         ("progress does not advance", at(100)),
         ("a new projection that exists", twice),
         ("removing an absent projection", absent),
@@ -784,6 +803,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     // Replacing, removing, and a quarantine that the next materialization clears.
     let mut second = at(300);
     second.put_projections.push(projection("v2", &[]));
+    second.left.push(member.clone());
     second
         .removed_dependencies
         .push(("public.note_shares".into(), share.identity.clone()));

@@ -83,6 +83,8 @@ pub(super) struct CaptureState {
     pub writer: Option<String>,
     /// The leader's last heartbeat, the last time it was caught up, its lag.
     pub heartbeat: Option<(tokio::time::Instant, Option<tokio::time::Instant>, u64)>,
+    /// The membership index: (scope, row identity) -> table.
+    pub(super) members: BTreeMap<(ScopeId, RowIdentity), String>,
     /// Declared PostgreSQL column types, by (relation, column); a column
     /// not named here is `text`.
     pub column_types: BTreeMap<(String, String), String>,
@@ -117,6 +119,7 @@ impl CaptureState {
             deliveries: 0,
             column_types: BTreeMap::new(),
             heartbeat: None,
+            members: BTreeMap::new(),
         }
     }
 
@@ -376,18 +379,22 @@ impl MemTx {
         self.work.capture.progress.clone()
     }
 
-    pub(super) fn scope_members(&self, scope: &ScopeId) -> Vec<(RowIdentity, Digest)> {
-        // No index here: every projection is looked at, in identity order.
-        let mut members: Vec<(RowIdentity, Digest)> = self
-            .work
-            .capture
-            .projections
-            .values()
-            .filter(|p| p.scopes.contains(scope))
-            .map(|p| (p.identity.clone(), p.digest))
-            .collect();
-        members.sort_by(|a, b| a.0.cmp(&b.0));
-        members
+    pub(super) fn scope_members(
+        &self,
+        scope: &ScopeId,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        let c = &self.work.capture;
+        c.members
+            .range((scope.clone(), RowIdentity::from_bytes(Vec::new()))..)
+            .take_while(|((s, _), _)| s == scope)
+            .map(|((_, identity), table_id)| {
+                let p = c
+                    .projections
+                    .get(&(table_id.clone(), identity.clone()))
+                    .ok_or(StoreError::Integrity("a member has no projection".into()))?;
+                Ok((identity.clone(), p.digest))
+            })
+            .collect()
     }
 
     pub(super) fn projections(&self, table_id: &str, rows: &[RowIdentity]) -> Vec<Projection> {
@@ -456,6 +463,20 @@ impl MemTx {
         for (t, r) in &m.removed_projections {
             if c.projections.remove(&(t.clone(), r.clone())).is_none() {
                 return Err(integrity("removed but absent"));
+            }
+        }
+        for l in &m.left {
+            if c.members
+                .remove(&(l.scope.clone(), l.identity.clone()))
+                .is_none()
+            {
+                return Err(integrity("a row left a scope it was not in"));
+            }
+        }
+        for j in &m.joined {
+            let entry = (j.scope.clone(), j.identity.clone());
+            if c.members.insert(entry, j.table_id.clone()).is_some() {
+                return Err(integrity("a row joined a scope it was in"));
             }
         }
         for d in &m.put_dependencies {

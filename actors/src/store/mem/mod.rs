@@ -333,7 +333,7 @@ impl StoreTx for MemTx {
         &mut self,
         scope: &ScopeId,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
-        Ok(MemTx::scope_members(self, scope))
+        MemTx::scope_members(self, scope)
     }
 
     async fn projections(
