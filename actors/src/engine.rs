@@ -220,7 +220,7 @@ impl Engine {
 
     /// Whether this process can serve: no integrity failure was answered,
     /// the registry runs, the store answers, and capture (led by this or
-    /// another process) keeps up by the durable heartbeat.
+    /// another process) keeps up by the shared heartbeat.
     pub async fn ready(&self) -> bool {
         if self.integrity_failed() {
             return false;

@@ -348,7 +348,7 @@ impl<S: Store> Registry<S> {
         &self.history
     }
 
-    /// Capture as the durable heartbeat reports it; `None` when the store
+    /// Capture as the shared heartbeat reports it; `None` when the store
     /// does not answer.
     pub async fn capture_health(&self) -> Option<CaptureHealth> {
         let mut tx = self.store.begin().await.ok()?;

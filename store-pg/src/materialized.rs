@@ -240,9 +240,11 @@ impl PgTx {
 
     pub(crate) async fn write_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE synchro.capture_progress SET heartbeat_at = clock_timestamp(), \
-               caught_up_at = CASE WHEN $1 THEN clock_timestamp() ELSE caught_up_at END, \
-               lag_bytes = $2",
+            "INSERT INTO synchro.capture_heartbeat (heartbeat_at, caught_up_at, lag_bytes) \
+             VALUES (clock_timestamp(), CASE WHEN $1 THEN clock_timestamp() END, $2) \
+             ON CONFLICT (singleton) DO UPDATE SET heartbeat_at = EXCLUDED.heartbeat_at, \
+               caught_up_at = coalesce(EXCLUDED.caught_up_at, synchro.capture_heartbeat.caught_up_at), \
+               lag_bytes = EXCLUDED.lag_bytes",
         )
         .bind(beat.caught_up)
         .bind(to_i64(beat.lag_bytes)?)
@@ -255,9 +257,10 @@ impl PgTx {
     pub(crate) async fn read_capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
         // Ages by the database's clock: every process reads the same one.
         let r = sqlx::query(
-            "SELECT (extract(epoch FROM clock_timestamp() - heartbeat_at) * 1e6)::int8, \
-                    (extract(epoch FROM clock_timestamp() - caught_up_at) * 1e6)::int8, \
-                    lag_bytes, quarantine_class IS NOT NULL FROM synchro.capture_progress",
+            "SELECT (extract(epoch FROM clock_timestamp() - h.heartbeat_at) * 1e6)::int8, \
+                    (extract(epoch FROM clock_timestamp() - h.caught_up_at) * 1e6)::int8, \
+                    coalesce(h.lag_bytes, 0), p.quarantine_class IS NOT NULL \
+             FROM synchro.capture_progress p LEFT JOIN synchro.capture_heartbeat h ON true",
         )
         .fetch_one(&mut *self.tx)
         .await

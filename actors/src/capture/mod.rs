@@ -367,7 +367,7 @@ pub struct Membership {
     pub identity: RowIdentity,
 }
 
-/// A heartbeat of the capture leader, written durably so that every
+/// A heartbeat of the capture leader, written to the store so that every
 /// process on the database can judge capture, not only the leader.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Heartbeat {
@@ -377,7 +377,7 @@ pub struct Heartbeat {
     pub lag_bytes: u64,
 }
 
-/// Capture as any process reads it from the durable heartbeat; ages are
+/// Capture as any process reads it from the shared heartbeat; ages are
 /// measured by the store's own clock, so processes need no common clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CaptureHealth {

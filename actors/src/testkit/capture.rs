@@ -533,7 +533,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     };
     use crate::store::StoreError;
 
-    // The durable heartbeat: nothing before the first, then ages by the
+    // The shared heartbeat: nothing before the first, then ages by the
     // store's clock, the lag as reported, and a quarantine blocking.
     let mut tx = store.begin().await.unwrap();
     let never = tx.capture_health().await.unwrap();
