@@ -13,7 +13,7 @@ use std::sync::{Arc, RwLock};
 use actors::ledger::contract::{
     FoundRow, Refusal, RowWrite, VersionRecord, WriteResult, WriteTarget, Writer,
 };
-use actors::ledger::intake::keeps_as_given;
+use actors::ledger::intake::{check_keys, keeps_as_given};
 use actors::store::StoreError;
 use sqlx::Row;
 
@@ -280,17 +280,11 @@ impl PgTx {
     ) -> Result<Vec<FoundRow>, StoreError> {
         let rel = self.relation(target)?;
         let pk_type = self.type_of(&rel, &target.primary_key)?.to_owned();
-        // A key its column would refuse or store in another spelling names no
-        // row the client can ever hold: the request is invalid (400).
         let pk_declared = rel
             .declared
             .get(&target.primary_key)
             .ok_or_else(|| StoreError::Integrity("the key column is missing".into()))?;
-        if !keys.iter().all(|k| keeps_as_given(pk_declared, k)) {
-            return Err(StoreError::Data(
-                "a primary key is not a value its column keeps as given".into(),
-            ));
-        }
+        check_keys(pk_declared, keys)?;
         let mut columns = Vec::new();
         for c in &target.columns {
             columns.push(select_text("r", c));

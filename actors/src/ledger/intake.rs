@@ -6,6 +6,8 @@
 //! refuses it before the write. Both stores apply this one model; PostgreSQL's own errors remain
 //! the backstop for whatever it does not know.
 
+use crate::store::StoreError;
+
 /// Whether a column declared as `column_type` (PostgreSQL's `format_type`
 /// with its modifier, e.g. `character(4)`) stores `text`, a value's
 /// PostgreSQL text form, and prints back the same wire value.
@@ -28,6 +30,19 @@ pub fn keeps_as_given(column_type: &str, text: &str) -> bool {
         // json column's row is read as jsonb by the capture trigger.
         "json" | "jsonb" => !text.contains("\\u0000"),
         _ => true,
+    }
+}
+
+/// The keys of a request for a key column of `column_type`: a key the
+/// column would refuse or store in another spelling names no row a client
+/// can ever hold, so the whole request is invalid (`StoreError::Data`, 400).
+pub fn check_keys(column_type: &str, keys: &[String]) -> Result<(), StoreError> {
+    if keys.iter().all(|k| keeps_as_given(column_type, k)) {
+        Ok(())
+    } else {
+        Err(StoreError::Data(
+            "a primary key is not a value its column keeps as given".into(),
+        ))
     }
 }
 

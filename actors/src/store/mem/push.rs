@@ -12,7 +12,7 @@ use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, StoredBatch, StoredMutation,
     VersionRecord, WriteResult, WriteTarget, Writer,
 };
-use crate::ledger::intake::keeps_as_given;
+use crate::ledger::intake::{check_keys, keeps_as_given};
 use crate::store::StoreError;
 
 /// (user, client, id): ledger identities are scoped to the authenticated client.
@@ -79,12 +79,10 @@ impl MemTx {
         target: &WriteTarget,
         keys: &[String],
     ) -> Result<Vec<FoundRow>, StoreError> {
-        let pk_type = self.column_type(&target.relation, &target.primary_key);
-        if !keys.iter().all(|k| keeps_as_given(pk_type, k)) {
-            return Err(StoreError::Data(
-                "a primary key is not a value its column keeps as given".into(),
-            ));
-        }
+        check_keys(
+            self.column_type(&target.relation, &target.primary_key),
+            keys,
+        )?;
         Ok(keys
             .iter()
             .map(|key| FoundRow {
