@@ -432,3 +432,40 @@ pub struct Quarantine {
     pub commit_lsn: Lsn,
     pub problem: CaptureProblem,
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{CaptureHealth, ReadinessLimits};
+
+    #[test]
+    fn readiness_follows_heartbeat_and_lag_limits() {
+        let secs = Duration::from_secs;
+        let limits = ReadinessLimits {
+            max_heartbeat_age: secs(10),
+            max_lag: secs(60),
+            max_lag_bytes: 1000,
+        };
+        let health = |heartbeat: u64, caught_up: u64, lag_bytes, blocked| CaptureHealth {
+            heartbeat_age: Some(secs(heartbeat)),
+            caught_up_age: Some(secs(caught_up)),
+            lag_bytes,
+            blocked,
+        };
+        let ready = |h: CaptureHealth| h.is_ready(&limits);
+        assert!(ready(health(1, 1, 0, false)));
+        assert!(ready(health(10, 60, 1000, false)), "limits are inclusive");
+        assert!(!ready(health(11, 1, 0, false)), "stale heartbeat");
+        assert!(!ready(health(1, 61, 0, false)), "behind for too long");
+        assert!(!ready(health(1, 1, 1001, false)), "too many bytes behind");
+        assert!(!ready(health(1, 1, 0, true)), "blocked");
+        let never = CaptureHealth {
+            heartbeat_age: None,
+            caught_up_age: None,
+            lag_bytes: 0,
+            blocked: false,
+        };
+        assert!(!ready(never), "no leader has ever run");
+    }
+}
