@@ -99,7 +99,7 @@ fn default_retry_ms() -> u64 {
 }
 
 /// Server-wide protocol settings.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// Connect answers 426 to an `app_version` that precedes this.
@@ -107,6 +107,24 @@ pub struct ServerConfig {
     /// SQL run at every start before validation, for development schemas
     /// (must be idempotent). A path relative to the config file.
     pub bootstrap_sql: Option<String>,
+    /// Pull pages built at once; a pull past them answers `429 retry_later`.
+    #[serde(default = "default_pull_pages")]
+    pub pull_pages: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> ServerConfig {
+        ServerConfig {
+            minimum_client_version: None,
+            bootstrap_sql: None,
+            pull_pages: default_pull_pages(),
+        }
+    }
+}
+
+/// Each page holds one database connection for its transaction.
+fn default_pull_pages() -> usize {
+    12
 }
 
 /// How the adapter authenticates bearer credentials.
@@ -395,6 +413,9 @@ impl SyncConfig {
 
     /// The rules that need no database.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=1024).contains(&self.server.pull_pages) {
+            return err("server.pull_pages must be within 1..=1024");
+        }
         if let Some(v) = &self.server.minimum_client_version {
             semver::Version::parse(v).map_err(|_| {
                 ConfigError(format!(

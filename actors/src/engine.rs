@@ -14,9 +14,11 @@ use crate::capture::{CaptureHealth, CapturePlan, ReadinessLimits};
 use crate::config::SyncConfig;
 use crate::ledger::{self, Ledger};
 use crate::materializer::{self, CaptureStatus, MaterializerLimits};
+use crate::pull::Puller;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::store::Store;
+use crate::stream::load_key_ring;
 
 enum RegistryMsg {
     Connect {
@@ -36,8 +38,8 @@ enum RegistryMsg {
     },
 }
 
-/// One push for the ledger.
-struct PushMsg {
+/// One request for the ledger or the puller.
+struct RequestMsg {
     user_id: String,
     body: Vec<u8>,
     now_micros: i64,
@@ -48,7 +50,11 @@ struct PushMsg {
 #[derive(Clone)]
 pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
-    ledger: mpsc::Sender<PushMsg>,
+    ledger: mpsc::Sender<RequestMsg>,
+    puller: mpsc::Sender<RequestMsg>,
+    /// Pull pages being built; a pull that finds none free answers 429.
+    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+    pull_pages: Arc<Semaphore>,
     capture: watch::Receiver<CaptureStatus>,
     /// Latched by the first `500 sync_integrity_failure`: durable state broke
     /// an invariant, so this process stays unready until it restarts.
@@ -65,11 +71,14 @@ const REGISTRY_INBOX: usize = 1024;
 const PARALLEL_CONNECTS: usize = 64;
 /// Pushes executing at once; the client row lock serializes one client's.
 const PARALLEL_PUSHES: usize = 64;
+/// Pulls in progress at once (validating, or building their page); more wait.
+const PARALLEL_PULLS: usize = 256;
 
 impl Engine {
     /// Loads the registry from `store`, installs capture and starts the actors.
     pub async fn start<S: Store>(store: S, config: SyncConfig) -> Result<Engine, RegistryError> {
         let registry = Arc::new(Registry::load(store.clone(), config.clone()).await?);
+        let keys = load_key_ring(&store).await?;
         store
             .install_capture(&CapturePlan::new(&config))
             .await
@@ -82,7 +91,7 @@ impl Engine {
             Ledger::new(store.clone(), &config, registry.history().clone())
                 .map_err(RegistryError::Config)?,
         );
-        let (push_tx, mut push_rx) = mpsc::channel::<PushMsg>(REGISTRY_INBOX);
+        let (push_tx, mut push_rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);
         let push_permits = Arc::new(Semaphore::new(PARALLEL_PUSHES));
         tokio::spawn(async move {
             while let Some(msg) = push_rx.recv().await {
@@ -92,6 +101,28 @@ impl Engine {
                 let ledger = ledger.clone();
                 tokio::spawn(async move {
                     let reply = ledger.push(&msg.user_id, &msg.body, msg.now_micros).await;
+                    let _ = msg.reply.send(reply);
+                    drop(permit);
+                });
+            }
+        });
+        let pull_pages = Arc::new(Semaphore::new(config.server.pull_pages));
+        let puller = Arc::new(Puller::new(
+            store.clone(),
+            registry.clone(),
+            keys,
+            pull_pages.clone(),
+        ));
+        let (pull_tx, mut pull_rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);
+        let pull_permits = Arc::new(Semaphore::new(PARALLEL_PULLS));
+        tokio::spawn(async move {
+            while let Some(msg) = pull_rx.recv().await {
+                let Ok(permit) = pull_permits.clone().acquire_owned().await else {
+                    break;
+                };
+                let puller = puller.clone();
+                tokio::spawn(async move {
+                    let reply = puller.pull(&msg.user_id, &msg.body, msg.now_micros).await;
                     let _ = msg.reply.send(reply);
                     drop(permit);
                 });
@@ -145,6 +176,8 @@ impl Engine {
         Ok(Engine {
             registry: tx,
             ledger: push_tx,
+            puller: pull_tx,
+            pull_pages,
             capture,
             integrity_failed: Arc::new(AtomicBool::new(false)),
             readiness: ReadinessLimits {
@@ -192,7 +225,7 @@ impl Engine {
     /// `POST /sync/push` for an authenticated user.
     pub async fn push(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
         let (reply, rx) = oneshot::channel();
-        let msg = PushMsg {
+        let msg = RequestMsg {
             user_id: user_id.to_owned(),
             body,
             now_micros,
@@ -202,6 +235,34 @@ impl Engine {
             return unavailable();
         }
         self.watched(rx.await.unwrap_or_else(|_| unavailable()))
+    }
+
+    /// `POST /sync/pull` for an authenticated user.
+    pub async fn pull(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        let (reply, rx) = oneshot::channel();
+        let msg = RequestMsg {
+            user_id: user_id.to_owned(),
+            body,
+            now_micros,
+            reply,
+        };
+        if self.puller.send(msg).await.is_err() {
+            return unavailable();
+        }
+        self.watched(rx.await.unwrap_or_else(|_| unavailable()))
+    }
+
+    /// Takes every pull page permit until the guard drops, so that pulls
+    /// meet admission control (tests of `429 retry_later`).
+    #[cfg(feature = "testkit")]
+    pub async fn occupy_pull_pages(&self) -> tokio::sync::OwnedSemaphorePermit {
+        let all = u32::try_from(self.pull_pages.available_permits()).unwrap_or(u32::MAX);
+        #[allow(clippy::expect_used)]
+        self.pull_pages
+            .clone()
+            .acquire_many_owned(all)
+            .await
+            .expect("the semaphore is never closed")
     }
 
     /// `GET /sync/schema`.

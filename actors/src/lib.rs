@@ -13,6 +13,7 @@ pub mod pull;
 pub mod registry;
 pub mod reply;
 pub mod store;
+pub mod stream;
 
 pub use engine::Engine;
 pub use reply::Reply;

@@ -21,6 +21,7 @@ use protocol::wire::{AssignmentDelta, format_server_time};
 use crate::capture::CaptureHealth;
 use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+use crate::stream::{MembershipLineage, reconcile_membership};
 
 /// What one schema transition changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -315,6 +316,7 @@ pub struct Registry<S: Store> {
     config: SyncConfig,
     history: SchemaHistory,
     current: Arc<Manifest>,
+    membership: MembershipLineage,
     minimum_client_version: Option<semver::Version>,
 }
 
@@ -323,6 +325,7 @@ impl<S: Store> Registry<S> {
     pub async fn load(store: S, config: SyncConfig) -> Result<Registry<S>, RegistryError> {
         let mut tx = store.begin().await?;
         let history = reconcile_schema(&mut tx, &config).await?;
+        let membership = reconcile_membership(&mut tx, &config).await?;
         tx.commit().await?;
         let current = history
             .current()
@@ -339,8 +342,19 @@ impl<S: Store> Registry<S> {
             config,
             history,
             current,
+            membership,
             minimum_client_version,
         })
+    }
+
+    /// The membership generation of each scope.
+    pub fn membership(&self) -> &MembershipLineage {
+        &self.membership
+    }
+
+    /// The current manifest.
+    pub fn current(&self) -> &Arc<Manifest> {
+        &self.current
     }
 
     /// The schema history this registry serves.
@@ -409,10 +423,7 @@ impl<S: Store> Registry<S> {
         let bound = existing.is_some();
         let (mut client, renewed) = self.resolve_generation(user_id, &req, existing)?;
         let authoritative = self.assignment(&mut tx, user_id).await?;
-        if authoritative != client.assigned {
-            client.scope_set_version = next_counter(client.scope_set_version)?;
-            client.assigned = authoritative.clone();
-        }
+        reconcile_assignment(&mut client, &authoritative)?;
         // Seed receipts name scopes the client holds from a portable seed. Their
         // format (ADR 005) is not available here, so every receipt is
         // unverifiable: an assigned seeded scope is added with a null cursor
@@ -484,6 +495,7 @@ impl<S: Store> Registry<S> {
             installed_schema: None,
             scope_set_version: 0,
             assigned: BTreeSet::new(),
+            ever_assigned: BTreeSet::new(),
             accepted_write_epoch: 0,
             continued: false,
         };
@@ -524,6 +536,8 @@ impl<S: Store> Registry<S> {
                 let old = c.generation;
                 c.generation = next_counter(old)?;
                 assert!(c.generation > old, "a generation only moves forward");
+                // A new generation was assigned nothing yet.
+                c.ever_assigned = c.assigned.clone();
                 Ok((c, true))
             }
         }
@@ -654,6 +668,21 @@ fn schema_value(s: &ConnectSchema) -> Value {
         }
         ConnectSchema::Installed(r) => r.to_json(),
     }
+}
+
+/// Installs the authoritative assignment: `scope_set_version` steps by
+/// exactly one when the set changes. Connect and pull use this one rule.
+pub(crate) fn reconcile_assignment(
+    client: &mut ClientRecord,
+    authoritative: &BTreeSet<ScopeId>,
+) -> Result<bool, ProtocolError> {
+    client.ever_assigned.extend(authoritative.iter().cloned());
+    if *authoritative == client.assigned {
+        return Ok(false);
+    }
+    client.scope_set_version = next_counter(client.scope_set_version)?;
+    client.assigned = authoritative.clone();
+    Ok(true)
 }
 
 /// `n + 1`, failing before the portable range is left.

@@ -30,6 +30,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/sync/connect", post(connect))
         .route("/sync/push", post(push))
+        .route("/sync/pull", post(pull))
         .route("/ready", get(ready))
         .route("/sync/schema", get(schema))
         .route("/sync/tables", get(tables))
@@ -126,6 +127,13 @@ async fn connect(State(state): State<AppState>, headers: HeaderMap, body: Body) 
 async fn push(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match intake(&state, &headers, body).await {
         Ok((user, bytes)) => respond(state.engine.push(&user, bytes.to_vec(), now_micros()).await),
+        Err(response) => response,
+    }
+}
+
+async fn pull(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match intake(&state, &headers, body).await {
+        Ok((user, bytes)) => respond(state.engine.pull(&user, bytes.to_vec(), now_micros()).await),
         Err(response) => response,
     }
 }

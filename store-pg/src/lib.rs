@@ -15,8 +15,9 @@ mod materialized;
 pub mod pgoutput;
 mod push;
 mod sqlstate;
+mod stream;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use actors::capture::{
@@ -28,11 +29,13 @@ use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
+use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::json;
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
+use protocol::token::TokenKey;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row, Transaction};
 
@@ -106,6 +109,12 @@ fn bind_client<'q>(
         .bind(assigned)
         .bind(c.accepted_write_epoch as i64)
         .bind(c.continued)
+        .bind(
+            c.ever_assigned
+                .iter()
+                .map(ScopeId::as_str)
+                .collect::<Vec<_>>(),
+        )
 }
 
 /// One PostgreSQL transaction.
@@ -159,6 +168,22 @@ impl Store for PgStore {
             savepoint_open: false,
             constraints_immediate: false,
         })
+    }
+
+    async fn begin_snapshot(&self) -> Result<PgTx, StoreError> {
+        let mut tx = self.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx.tx)
+            .await
+            .map_err(db_error)?;
+        Ok(tx)
+    }
+
+    async fn fresh_secret(&self) -> Result<[u8; 32], StoreError> {
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret)
+            .map_err(|e| StoreError::Unavailable(format!("no entropy: {e}")))?;
+        Ok(secret)
     }
 }
 
@@ -222,7 +247,7 @@ impl StoreTx for PgTx {
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-               accepted_write_epoch, continued \
+               accepted_write_epoch, continued, ever_assigned \
              FROM synchro.clients WHERE client_id = $1 FOR UPDATE",
         )
         .bind(client_id)
@@ -240,7 +265,12 @@ impl StoreTx for PgTx {
             }),
             _ => None,
         };
-        let assigned: Vec<String> = r.try_get(6).map_err(db_error)?;
+        let scopes = |i: usize| -> Result<BTreeSet<ScopeId>, StoreError> {
+            let ids: Vec<String> = r.try_get(i).map_err(db_error)?;
+            ids.iter()
+                .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
+                .collect()
+        };
         Ok(Some(ClientRecord {
             user_id: r.try_get(0).map_err(db_error)?,
             client_id: client_id.to_owned(),
@@ -248,10 +278,8 @@ impl StoreTx for PgTx {
             retired: r.try_get(2).map_err(db_error)?,
             installed_schema,
             scope_set_version: counter(r.try_get(5).map_err(db_error)?, "scope_set_version")?,
-            assigned: assigned
-                .iter()
-                .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
-                .collect::<Result<BTreeSet<_>, _>>()?,
+            assigned: scopes(6)?,
+            ever_assigned: scopes(9)?,
             accepted_write_epoch: counter(r.try_get(7).map_err(db_error)?, "accepted_write_epoch")?,
             continued: r.try_get(8).map_err(db_error)?,
         }))
@@ -264,8 +292,8 @@ impl StoreTx for PgTx {
             sqlx::query(
                 "INSERT INTO synchro.clients \
                    (client_id, user_id, generation, retired, installed_version, installed_hash, \
-                    scope_set_version, assigned, accepted_write_epoch, continued) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (client_id) DO NOTHING",
+                    scope_set_version, assigned, accepted_write_epoch, continued, ever_assigned) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (client_id) DO NOTHING",
             ),
             c,
         )
@@ -280,7 +308,7 @@ impl StoreTx for PgTx {
             sqlx::query(
                 "UPDATE synchro.clients SET generation = $3, retired = $4, installed_version = $5, \
                    installed_hash = $6, scope_set_version = $7, assigned = $8, \
-                   accepted_write_epoch = $9, continued = $10 \
+                   accepted_write_epoch = $9, continued = $10, ever_assigned = $11 \
                  WHERE client_id = $1 AND user_id = $2",
             ),
             c,
@@ -386,6 +414,66 @@ impl StoreTx for PgTx {
         through: Boundary,
     ) -> Result<Vec<Effect>, StoreError> {
         self.read_scope_effects(scope, after, through).await
+    }
+
+    async fn stream_state(&mut self) -> Result<StreamState, StoreError> {
+        self.read_stream_state().await
+    }
+
+    async fn membership_rules(&mut self) -> Result<Vec<MembershipRules>, StoreError> {
+        self.read_membership_rules().await
+    }
+
+    async fn insert_membership_rules(
+        &mut self,
+        rules: &[MembershipRules],
+    ) -> Result<(), StoreError> {
+        self.write_membership_rules(rules).await
+    }
+
+    async fn token_keys(&mut self) -> Result<Vec<TokenKey>, StoreError> {
+        self.read_token_keys().await
+    }
+
+    async fn insert_token_keys(&mut self, keys: &[TokenKey]) -> Result<(), StoreError> {
+        self.write_token_keys(keys).await
+    }
+
+    async fn checkpoints(
+        &mut self,
+        client_id: &str,
+    ) -> Result<BTreeMap<ScopeId, Checkpoint>, StoreError> {
+        self.read_checkpoints(client_id).await
+    }
+
+    async fn put_checkpoints(
+        &mut self,
+        client_id: &str,
+        checkpoints: &[(ScopeId, Checkpoint)],
+    ) -> Result<(), StoreError> {
+        self.write_checkpoints(client_id, checkpoints).await
+    }
+
+    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        self.read_pending_fence(client_id).await
+    }
+
+    async fn scope_candidates(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+        max: usize,
+    ) -> Result<Vec<Effect>, StoreError> {
+        self.read_scope_candidates(scope, after, through, max).await
+    }
+
+    async fn last_effect_before(
+        &mut self,
+        scope: &ScopeId,
+        before: StreamPosition,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        self.read_last_effect_before(scope, before).await
     }
 
     async fn push_ledger(

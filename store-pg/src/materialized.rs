@@ -32,11 +32,11 @@ fn unique_is_integrity(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError
 }
 
 /// LSNs and ordinals are stored as bigint; PostgreSQL LSNs stay below 2^63.
-fn to_i64(v: u64) -> Result<i64, StoreError> {
+pub(crate) fn to_i64(v: u64) -> Result<i64, StoreError> {
     i64::try_from(v).map_err(|_| integrity("position beyond bigint"))
 }
 
-fn to_u64(v: i64) -> Result<u64, StoreError> {
+pub(crate) fn to_u64(v: i64) -> Result<u64, StoreError> {
     u64::try_from(v).map_err(|_| integrity("negative position"))
 }
 
@@ -112,7 +112,7 @@ fn dependency(r: &PgRow) -> Result<DependencyRow, StoreError> {
     })
 }
 
-fn effect(r: &PgRow) -> Result<Effect, StoreError> {
+pub(crate) fn effect(r: &PgRow) -> Result<Effect, StoreError> {
     let get = |e: sqlx::Error| db_error(e);
     let key: String = r.try_get("key_json").map_err(get)?;
     let row_json: Option<String> = r.try_get("row_json").map_err(get)?;
@@ -159,7 +159,7 @@ fn effect(r: &PgRow) -> Result<Effect, StoreError> {
 
 /// (commit_lsn, event_ordinal, effect_ordinal) bounds of a position: a
 /// transaction end sorts after every effect of its LSN.
-fn bounds(p: StreamPosition) -> Result<(i64, i64, i64), StoreError> {
+pub(crate) fn bounds(p: StreamPosition) -> Result<(i64, i64, i64), StoreError> {
     Ok(match p {
         StreamPosition::GenerationStart => (-1, 0, 0),
         StreamPosition::Effect {

@@ -1,6 +1,451 @@
-//! Pull (ADR 003). So far the page construction: per-scope eligibility and
-//! deduplication before the global limit, the starvation-free merge, and
-//! the greatest safe cursor of each scope. The pull actor that reads the
-//! effects at one boundary and answers `/sync/pull` is not built yet.
+//! `/sync/pull` (wire spec "Pull", ADR 003): one bounded incremental page
+//! across a client's assigned scopes, in one snapshot transaction.
+//!
+//! `Puller::pull` is the whole dispatch, in the spec's order: bind, the
+//! boundary, structure, retirement, the generation and schema gates, the
+//! request rules that need state, cursors, admission, then the page. The
+//! page's decisions are `page`; cursors are `cursor`; terminal checksums
+//! are `checksum`.
 
+pub mod checksum;
+pub mod cursor;
 pub mod page;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use protocol::digest::{Digest, row_digest};
+use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
+use protocol::ids::ScopeId;
+use protocol::json;
+use protocol::manifest::Manifest;
+use protocol::position::StreamPosition;
+use protocol::token::KeyRing;
+use protocol::wire::pull::{Change, ChangeOp, PageEnd, PullRequest, PullResponse};
+use protocol::wire::{AssignmentDelta, PrimaryKey, RowImage};
+use tokio::sync::Semaphore;
+
+use crate::capture::{Effect, EffectOp};
+use crate::registry::{Registry, reconcile_assignment, store_error};
+use crate::reply::Reply;
+use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+use crate::stream::Checkpoint;
+use checksum::ChecksumCache;
+use cursor::{CursorContext, Presented};
+use page::ScopeEffects;
+
+/// How often a pull whose snapshot lost a write conflict runs again before
+/// it answers 503.
+const SNAPSHOT_ATTEMPTS: usize = 4;
+
+/// The pull actor's state: the registry (schema, assignment, membership
+/// generations), the shared token keys, the checksum cache, and admission.
+pub struct Puller<S: Store> {
+    store: S,
+    registry: Arc<Registry<S>>,
+    keys: KeyRing,
+    checksums: ChecksumCache,
+    /// Pages built at once; a pull that finds none free answers 429.
+    admission: Arc<Semaphore>,
+}
+
+/// One scope the page reads: its presented position.
+struct Resumed<'a> {
+    scope: &'a ScopeId,
+    after: StreamPosition,
+    membership_generation: u64,
+}
+
+impl<S: Store> Puller<S> {
+    /// A puller that builds a page only with a permit of `admission`.
+    pub fn new(
+        store: S,
+        registry: Arc<Registry<S>>,
+        keys: KeyRing,
+        admission: Arc<Semaphore>,
+    ) -> Self {
+        Puller {
+            store,
+            registry,
+            keys,
+            checksums: ChecksumCache::default(),
+            admission,
+        }
+    }
+
+    /// `/sync/pull` for the authenticated `user_id`, at server time `now_micros`.
+    pub async fn pull(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
+        let mut last = None;
+        for _ in 0..SNAPSHOT_ATTEMPTS {
+            match self.pull_once(user_id, body, now_micros).await {
+                Ok(r) => return Reply::ok(r.to_body()),
+                // A snapshot that lost a write conflict (or a lost
+                // connection) runs again: the client never sees it.
+                Err(Failure::Store(StoreError::Unavailable(m))) => {
+                    last = Some(StoreError::Unavailable(m));
+                }
+                Err(Failure::Store(e)) => return Reply::error(&store_error(e)),
+                Err(Failure::Protocol(e)) => return Reply::error(&e),
+            }
+        }
+        let e = last.unwrap_or(StoreError::Unavailable("no attempt".into()));
+        Reply::error(&store_error(e))
+    }
+
+    /// One attempt in one snapshot transaction; nothing is written unless it commits.
+    async fn pull_once(
+        &self,
+        user_id: &str,
+        body: &[u8],
+        now_micros: i64,
+    ) -> Result<PullResponse, Failure> {
+        let parsed = protocol::wire::parse_body(body);
+        let mut tx = self.store.begin_snapshot().await?;
+        // The first read fixes the boundary B: the snapshot holds exactly
+        // the state materialized through it.
+        let progress = tx.capture_progress().await?;
+        let boundary = progress.boundary;
+        // 1. Bind client_id to the user.
+        let named = parsed
+            .as_ref()
+            .ok()
+            .and_then(protocol::wire::client_id_member);
+        let client = match named {
+            Some(client_id) => tx.lock_client(client_id).await?,
+            None => None,
+        };
+        if named.is_some() && client.as_ref().is_none_or(|c| c.user_id != user_id) {
+            return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
+        }
+        // 3. Structure, with every limit.
+        let req = PullRequest::from_value(parsed?)?;
+        let Some(mut client) = client else {
+            return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
+        };
+        // 4. Retirement.
+        if client.retired {
+            return Err(ProtocolError::new(ErrorKind::ClientRetired).into());
+        }
+        // 6. The generation gate, then the schema gate.
+        let current = self.registry.current().clone();
+        gates(&req, &client, &current)?;
+        // The request rules judged against the client's state.
+        scope_rules(&req, &client)?;
+        // 7. Cursors: any misbound one fails the whole request.
+        let stream = tx.stream_state().await?;
+        let client_id = client.client_id.clone();
+        let ctx = CursorContext {
+            user_id,
+            client_id: &client_id,
+            client_generation: client.generation,
+            schema_hash: current.hash(),
+            stream,
+            boundary,
+            now_micros,
+        };
+        let presented = self.judge_cursors(&ctx, &req)?;
+        // 8. Admission control.
+        let Ok(_permit) = self.admission.clone().try_acquire_owned() else {
+            return Err(ProtocolError::new(ErrorKind::RetryLater).into());
+        };
+        // 9. Execute: capture must have materialized what this client wrote.
+        if progress.quarantine.is_some() {
+            return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
+                reason: Some(UnavailableReason::CaptureBlocked),
+            })
+            .into());
+        }
+        if tx.has_pending_fence(&client.client_id).await? {
+            return Err(ProtocolError::new(ErrorKind::CapturePending).into());
+        }
+        let authoritative = self.registry.assignment(&mut tx, user_id).await?;
+        let changed = reconcile_assignment(&mut client, &authoritative)?;
+        let scope_updates = scope_updates(&req, &authoritative);
+        let (resumed, rebuild) = self.dispatch(&req, &authoritative, &presented);
+        let (changes, cursors, has_more) = self
+            .page(&mut tx, &ctx, &current, &resumed, req.limit.get().into())
+            .await?;
+        let end = if has_more {
+            PageEnd::More
+        } else {
+            PageEnd::Terminal {
+                checksums: self
+                    .checksums(&mut tx, &ctx, &current, &authoritative)
+                    .await?,
+            }
+        };
+        self.acknowledge(&mut tx, &client, &stream, &resumed)
+            .await?;
+        if changed {
+            tx.put_client(&client).await?;
+        }
+        tx.commit().await?;
+        Ok(PullResponse {
+            changes,
+            scope_set_version: client.scope_set_version,
+            scope_cursors: cursors,
+            scope_updates,
+            rebuild,
+            end,
+        })
+    }
+
+    /// Step 7: what each presented cursor means.
+    fn judge_cursors(
+        &self,
+        ctx: &CursorContext<'_>,
+        req: &PullRequest,
+    ) -> Result<BTreeMap<ScopeId, Presented>, ProtocolError> {
+        let membership = self.registry.membership();
+        req.scopes
+            .iter()
+            .map(|(scope, token)| {
+                let g = membership.generation_of(scope);
+                cursor::judge(&self.keys, ctx, scope, g, token.as_deref())
+                    .map(|p| (scope.clone(), p))
+                    .map_err(|_| ProtocolError::invalid_request("a cursor is not valid"))
+            })
+            .collect()
+    }
+
+    /// Which assigned scopes resume, and which must rebuild: every added
+    /// scope, and every presented one with a null or stale cursor. Both in
+    /// scope-ID order (docs/adr/0008).
+    fn dispatch<'r>(
+        &self,
+        req: &'r PullRequest,
+        authoritative: &'r BTreeSet<ScopeId>,
+        presented: &BTreeMap<ScopeId, Presented>,
+    ) -> (Vec<Resumed<'r>>, Vec<ScopeId>) {
+        let membership = self.registry.membership();
+        let mut resumed = Vec::new();
+        let mut rebuild = Vec::new();
+        for scope in authoritative {
+            match (req.scopes.contains_key(scope), presented.get(scope)) {
+                (true, Some(Presented::Valid(after))) => resumed.push(Resumed {
+                    scope,
+                    after: *after,
+                    membership_generation: membership.generation_of(scope),
+                }),
+                _ => rebuild.push(scope.clone()),
+            }
+        }
+        (resumed, rebuild)
+    }
+
+    /// The page: each resumed scope's candidates through B, the merge, and
+    /// the changes and cursors it decides.
+    async fn page(
+        &self,
+        tx: &mut S::Tx,
+        ctx: &CursorContext<'_>,
+        current: &Manifest,
+        resumed: &[Resumed<'_>],
+        limit: usize,
+    ) -> Result<(Vec<Change>, BTreeMap<ScopeId, String>, bool), Failure> {
+        let mut lists = Vec::with_capacity(resumed.len());
+        for r in resumed {
+            let list = tx
+                .scope_candidates(r.scope, r.after, ctx.boundary, limit + 1)
+                .await?;
+            lists.push(list);
+        }
+        let scopes: Vec<ScopeEffects<'_>> = resumed
+            .iter()
+            .zip(&lists)
+            .map(|(r, l)| ScopeEffects {
+                scope: r.scope,
+                after: r.after,
+                candidates: l,
+                complete: l.len() <= limit,
+            })
+            .collect();
+        let page = page::build(&scopes, ctx.boundary, limit);
+        let mut positions = page.cursors.clone();
+        for (scope, cut) in &page.cut {
+            let before = tx.last_effect_before(scope, cut.next).await?;
+            if let Some(p) = cut.cursor(before) {
+                positions.insert(scope.clone(), p);
+            }
+        }
+        let changes = page
+            .changes
+            .iter()
+            .map(|e| change(current, e))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut cursors = BTreeMap::new();
+        for r in resumed {
+            if let Some(p) = positions.get(r.scope) {
+                assert!(*p >= r.after, "progress only moves forward");
+                let token = cursor::issue(&self.keys, ctx, r.scope, r.membership_generation, *p);
+                cursors.insert(r.scope.clone(), token);
+            }
+        }
+        Ok((changes, cursors, page.has_more))
+    }
+
+    /// The terminal map: exactly the active set after this response's
+    /// updates, each scope's digest at B.
+    async fn checksums(
+        &self,
+        tx: &mut S::Tx,
+        ctx: &CursorContext<'_>,
+        current: &Manifest,
+        active: &BTreeSet<ScopeId>,
+    ) -> Result<BTreeMap<ScopeId, Digest>, Failure> {
+        let mut sums = BTreeMap::new();
+        for scope in active {
+            let d = self
+                .checksums
+                .digest(
+                    tx,
+                    ctx.stream.generation,
+                    &current.hash(),
+                    scope,
+                    ctx.boundary,
+                )
+                .await?;
+            sums.insert(scope.clone(), d);
+        }
+        Ok(sums)
+    }
+
+    /// Advances the checkpoint of every resumed scope to its presented
+    /// position: never backward, and only in this page's transaction.
+    async fn acknowledge(
+        &self,
+        tx: &mut S::Tx,
+        client: &ClientRecord,
+        stream: &crate::stream::StreamState,
+        resumed: &[Resumed<'_>],
+    ) -> Result<(), Failure> {
+        let stored = tx.checkpoints(&client.client_id).await?;
+        let mut advanced = Vec::new();
+        for r in resumed {
+            let next = Checkpoint {
+                stream_generation: stream.generation,
+                position: r.after,
+            };
+            match stored.get(r.scope) {
+                Some(c) if c.stream_generation == stream.generation && c.position >= r.after => {}
+                _ => advanced.push((r.scope.clone(), next)),
+            }
+        }
+        for (scope, c) in &advanced {
+            if let Some(old) = stored.get(scope) {
+                assert!(
+                    old.stream_generation != c.stream_generation || old.position < c.position,
+                    "a checkpoint only moves forward"
+                );
+            }
+        }
+        tx.put_checkpoints(&client.client_id, &advanced).await?;
+        Ok(())
+    }
+}
+
+/// Why one attempt failed: a store failure (an operational one is retried)
+/// or the protocol answer.
+enum Failure {
+    Store(StoreError),
+    Protocol(ProtocolError),
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Failure {
+        Failure::Store(e)
+    }
+}
+
+impl From<ProtocolError> for Failure {
+    fn from(e: ProtocolError) -> Failure {
+        Failure::Protocol(e)
+    }
+}
+
+/// Step 6: the exact current generation, then the exact current schema.
+fn gates(
+    req: &PullRequest,
+    client: &ClientRecord,
+    current: &Manifest,
+) -> Result<(), ProtocolError> {
+    if req.client_generation != client.generation {
+        return Err(ProtocolError::new(ErrorKind::ClientGenerationExpired {
+            current_client_generation: client.generation,
+        }));
+    }
+    if req.schema != current.reference() {
+        return Err(ProtocolError::new(ErrorKind::SchemaMismatch {
+            current_schema: current.reference(),
+            received_schema: req.schema,
+        }));
+    }
+    Ok(())
+}
+
+/// Request rules 3 and 6: no future scope-set version, and only scopes
+/// this generation was assigned (a removed one is accepted).
+fn scope_rules(req: &PullRequest, client: &ClientRecord) -> Result<(), ProtocolError> {
+    if req.scope_set_version > client.scope_set_version {
+        return Err(ProtocolError::invalid_request(
+            "scope_set_version is ahead of the server's",
+        ));
+    }
+    if req.scopes.keys().any(|s| !client.ever_assigned.contains(s)) {
+        return Err(ProtocolError::invalid_request(
+            "a scope was never assigned to this client",
+        ));
+    }
+    Ok(())
+}
+
+/// The assignment delta against what the client presented.
+fn scope_updates(req: &PullRequest, authoritative: &BTreeSet<ScopeId>) -> AssignmentDelta {
+    AssignmentDelta {
+        add: authoritative
+            .iter()
+            .filter(|s| !req.scopes.contains_key(*s))
+            .map(|s| (s.clone(), None))
+            .collect(),
+        remove: req
+            .scopes
+            .keys()
+            .filter(|s| !authoritative.contains(*s))
+            .cloned()
+            .collect(),
+    }
+}
+
+/// The wire change of one selected candidate, its row checksum computed
+/// under the current manifest. A row that manifest cannot represent is an
+/// integrity failure, never a silent omission.
+fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
+    let bad = |what: &str| StoreError::Integrity(format!("a captured effect {what}"));
+    let table = current
+        .table(&e.table_id)
+        .ok_or_else(|| bad("names a table the manifest lacks"))?;
+    let image = |r: &crate::capture::CapturedRow| -> Result<RowImage, StoreError> {
+        let row = json::parse(r.row.as_bytes()).map_err(|_| bad("row is not JSON"))?;
+        let object = row.as_object().ok_or_else(|| bad("row is not an object"))?;
+        let decoded = table
+            .decode_row(object)
+            .map_err(|_| bad("row does not fit the current manifest"))?;
+        let checksum = row_digest(&current.hash(), table, &e.identity, &decoded, &r.version);
+        Ok(RowImage { row, checksum })
+    };
+    let op = match &e.op {
+        EffectOp::Upsert(r) => ChangeOp::Upsert(image(r)?),
+        EffectOp::Tombstone(r) => ChangeOp::Delete(Some(image(r)?)),
+        EffectOp::Remove(_) => ChangeOp::Delete(None),
+    };
+    Ok(Change {
+        scope: e.scope.clone(),
+        table: e.table_id.clone(),
+        pk: PrimaryKey {
+            field_id: table.primary_key_field_id().to_owned(),
+            value: e.key.clone(),
+        },
+        op,
+        server_version: e.op.version().clone(),
+    })
+}

@@ -1,34 +1,65 @@
-//! One pull page, as ADR 003 constructs it, over effects already read at a
-//! fixed boundary B. Pure: the pull actor reads, this decides.
+//! One pull page, as ADR 003 constructs it, over candidates already read
+//! at a fixed boundary B. Pure: the pull actor reads, this decides.
 //!
 //! 1. Per scope, the effects after its cursor and through B are
 //!    deduplicated by (table, typed key), keeping the greatest position;
-//!    every earlier effect of that key is covered by the retained one.
+//!    every earlier effect of that key is covered by the retained one. The
+//!    store does this (`StoreTx::scope_candidates`), and hands over at most
+//!    one more candidate than the limit: no page can take more.
 //! 2. Only then does the global limit apply, through a k-way merge of the
 //!    per-scope candidate streams by (position, scope, table, key): each
 //!    page takes the least remaining candidates, so no scope starves another.
 //! 3. A scope whose candidates were all taken is accounted through B. A
 //!    scope the limit cut gets a cursor at its last raw effect before its
-//!    first candidate not taken: every raw effect up to there was delivered
-//!    or is covered by a candidate still ahead, and none is passed.
+//!    first candidate not taken ([`Cut::cursor`]): every raw effect up to
+//!    there was delivered or is covered by a candidate still ahead, and
+//!    none is passed.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
-use protocol::digest::RowIdentity;
 use protocol::ids::ScopeId;
 use protocol::position::{Boundary, StreamPosition};
 
 use crate::capture::Effect;
 
-/// One incrementally valid scope's eligible effects: those after `after`
-/// and through the page's boundary, in strictly increasing position order.
+/// One incrementally valid scope's retained candidates after `after` and
+/// through the page's boundary, in strictly increasing position order.
 #[derive(Clone, Copy, Debug)]
 pub struct ScopeEffects<'a> {
     pub scope: &'a ScopeId,
     /// The position of the cursor the client presented.
     pub after: StreamPosition,
-    pub effects: &'a [Effect],
+    /// All of the scope's candidates when `complete`; otherwise the first
+    /// ones, more than the page's limit.
+    pub candidates: &'a [Effect],
+    pub complete: bool,
+}
+
+/// A scope the limit cut: some candidate of it was not taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    pub after: StreamPosition,
+    /// The last of its candidates the page took.
+    pub last_taken: Option<StreamPosition>,
+    /// Its first candidate the page did not take.
+    pub next: StreamPosition,
+}
+
+impl Cut {
+    /// The cut scope's new cursor, from the position of its last raw effect
+    /// before `next`: `None` when that is not past the presented cursor.
+    pub fn cursor(&self, last_raw_before_next: Option<StreamPosition>) -> Option<StreamPosition> {
+        let p = last_raw_before_next?;
+        assert!(p < self.next, "a cursor never passes a candidate");
+        if let Some(t) = self.last_taken {
+            assert!(
+                p >= t,
+                "every taken candidate is a raw effect before the next"
+            );
+        }
+        (p > self.after).then_some(p)
+    }
 }
 
 /// The decisions of one page.
@@ -36,9 +67,10 @@ pub struct ScopeEffects<'a> {
 pub struct Page<'a> {
     /// The selected candidates in merge order: the page's changes.
     pub changes: Vec<&'a Effect>,
-    /// The new cursor of each scope that advanced, at its greatest safe
-    /// position. On a terminal page every scope has one, at the boundary.
+    /// The new cursor (at the boundary) of each scope whose candidates were all taken.
     pub cursors: BTreeMap<ScopeId, StreamPosition>,
+    /// The scopes the limit cut; their cursors come from [`Cut::cursor`].
+    pub cut: BTreeMap<ScopeId, Cut>,
     /// Some scope still has a candidate that was not taken.
     pub has_more: bool,
 }
@@ -57,46 +89,34 @@ fn merge_key<'a>(scope: &'a ScopeId, e: &'a Effect) -> MergeKey<'a> {
     )
 }
 
-/// The retained candidates of one scope, in position order: for each
-/// (table, key), its greatest effect.
-fn candidates<'a>(s: &ScopeEffects<'a>) -> Vec<&'a Effect> {
-    let mut last: BTreeMap<(&str, &RowIdentity), usize> = BTreeMap::new();
-    for (i, e) in s.effects.iter().enumerate() {
-        last.insert((e.table_id.as_str(), &e.identity), i);
-    }
-    s.effects
-        .iter()
-        .enumerate()
-        .filter(|(i, e)| last.get(&(e.table_id.as_str(), &e.identity)) == Some(i))
-        .map(|(_, e)| e)
-        .collect()
-}
-
 /// Builds the page of at most `limit` changes over `scopes` at `boundary`.
 pub fn build<'a>(scopes: &[ScopeEffects<'a>], boundary: Boundary, limit: usize) -> Page<'a> {
     let end = StreamPosition::from(boundary);
     for s in scopes {
         assert!(s.after <= end, "a cursor never passes the boundary");
         assert!(
-            s.effects
+            s.candidates
                 .windows(2)
                 .all(|w| w[0].position() < w[1].position()),
-            "effects arrive in strictly increasing position order"
+            "candidates arrive in strictly increasing position order"
         );
         assert!(
-            s.effects
+            s.candidates
                 .iter()
                 .all(|e| e.position() > s.after && e.position() <= end && e.scope == *s.scope),
             "only the scope's effects in (cursor, boundary] are eligible"
         );
+        assert!(
+            s.complete || s.candidates.len() > limit,
+            "an incomplete candidate list is longer than any page"
+        );
     }
-    let streams: Vec<Vec<&Effect>> = scopes.iter().map(candidates).collect();
     // The k-way merge: a heap of each stream's next candidate.
     let mut taken = vec![0usize; scopes.len()];
     let mut heads: BinaryHeap<Reverse<(MergeKey<'a>, usize)>> = BinaryHeap::new();
-    for (i, stream) in streams.iter().enumerate() {
-        if let Some(e) = stream.first() {
-            heads.push(Reverse((merge_key(scopes[i].scope, e), i)));
+    for (i, s) in scopes.iter().enumerate() {
+        if let Some(e) = s.candidates.first() {
+            heads.push(Reverse((merge_key(s.scope, e), i)));
         }
     }
     let mut changes = Vec::with_capacity(limit.min(heads.len() * 4));
@@ -104,39 +124,49 @@ pub fn build<'a>(scopes: &[ScopeEffects<'a>], boundary: Boundary, limit: usize) 
         let Some(Reverse((_, i))) = heads.pop() else {
             break;
         };
-        changes.push(streams[i][taken[i]]);
+        let s = &scopes[i];
+        changes.push(&s.candidates[taken[i]]);
         taken[i] += 1;
-        if let Some(e) = streams[i].get(taken[i]) {
-            heads.push(Reverse((merge_key(scopes[i].scope, e), i)));
+        if let Some(e) = s.candidates.get(taken[i]) {
+            heads.push(Reverse((merge_key(s.scope, e), i)));
         }
     }
     let has_more = !heads.is_empty();
     let mut cursors = BTreeMap::new();
+    let mut cut = BTreeMap::new();
     for (i, s) in scopes.iter().enumerate() {
-        let cursor = match streams[i].get(taken[i]) {
+        match s.candidates.get(taken[i]) {
             // Fully accounted through the boundary.
-            None => Some(end),
-            // Cut by the limit: up to the last raw effect before the first
-            // candidate not taken, if there is one.
-            Some(next) => s
-                .effects
-                .iter()
-                .take_while(|e| e.position() < next.position())
-                .last()
-                .map(Effect::position),
-        };
-        if let Some(c) = cursor {
-            assert!(c > s.after || c == end, "progress only moves forward");
-            if let Some(next) = streams[i].get(taken[i]) {
-                assert!(c < next.position(), "a cursor never passes a candidate");
+            None => {
+                assert!(
+                    s.complete,
+                    "a scope is accounted only when all of it was read"
+                );
+                cursors.insert(s.scope.clone(), end);
             }
-            cursors.insert(s.scope.clone(), c);
+            Some(next) => {
+                let last_taken = taken[i].checked_sub(1).map(|t| s.candidates[t].position());
+                cut.insert(
+                    s.scope.clone(),
+                    Cut {
+                        after: s.after,
+                        last_taken,
+                        next: next.position(),
+                    },
+                );
+            }
         }
     }
     assert!(changes.len() <= limit, "a page never exceeds its limit");
+    assert_eq!(
+        has_more,
+        !cut.is_empty(),
+        "more remains exactly where a scope was cut"
+    );
     Page {
         changes,
         cursors,
+        cut,
         has_more,
     }
 }
@@ -151,6 +181,84 @@ mod tests {
 
     use super::*;
     use crate::capture::EffectOp;
+    use protocol::digest::RowIdentity;
+
+    /// A scope's raw effects in (cursor, boundary], as the store holds them.
+    #[derive(Clone, Copy)]
+    struct Raw<'a> {
+        scope: &'a ScopeId,
+        after: StreamPosition,
+        effects: &'a [Effect],
+    }
+
+    /// A page with every cursor resolved, its changes pointing into the raw effects.
+    struct RawPage<'a> {
+        changes: Vec<&'a Effect>,
+        cursors: BTreeMap<ScopeId, StreamPosition>,
+        has_more: bool,
+    }
+
+    /// What the store's `scope_candidates` returns: each row's last effect.
+    fn retained(effects: &[Effect]) -> Vec<Effect> {
+        let mut last: BTreeMap<(&str, &RowIdentity), StreamPosition> = BTreeMap::new();
+        for e in effects {
+            last.insert((e.table_id.as_str(), &e.identity), e.position());
+        }
+        effects
+            .iter()
+            .filter(|e| last[&(e.table_id.as_str(), &e.identity)] == e.position())
+            .cloned()
+            .collect()
+    }
+
+    /// `build` as the pull actor drives it: at most `limit + 1` candidates
+    /// per scope, then each cut scope's cursor from its raw effects.
+    fn build_raw<'a>(raw: &[Raw<'a>], boundary: Boundary, limit: usize) -> RawPage<'a> {
+        let lists: Vec<Vec<Effect>> = raw
+            .iter()
+            .map(|r| retained(r.effects).into_iter().take(limit + 1).collect())
+            .collect();
+        let scopes: Vec<ScopeEffects<'_>> = raw
+            .iter()
+            .zip(&lists)
+            .map(|(r, l)| ScopeEffects {
+                scope: r.scope,
+                after: r.after,
+                candidates: l,
+                complete: l.len() <= limit,
+            })
+            .collect();
+        let page = build(&scopes, boundary, limit);
+        let mut cursors = page.cursors.clone();
+        for r in raw {
+            if let Some(c) = page.cut.get(r.scope) {
+                let before = r
+                    .effects
+                    .iter()
+                    .map(Effect::position)
+                    .filter(|p| *p < c.next)
+                    .last();
+                if let Some(p) = c.cursor(before) {
+                    cursors.insert(r.scope.clone(), p);
+                }
+            }
+        }
+        let changes = page
+            .changes
+            .iter()
+            .map(|e| {
+                raw.iter()
+                    .flat_map(|r| r.effects)
+                    .find(|x| x.scope == e.scope && x.position() == e.position())
+                    .unwrap()
+            })
+            .collect();
+        RawPage {
+            changes,
+            cursors,
+            has_more: page.has_more,
+        }
+    }
 
     fn scope(s: &str) -> ScopeId {
         ScopeId::parse(s).unwrap()
@@ -188,23 +296,23 @@ mod tests {
             effect("a", 1, 20, 0, 0), // retains key 1
             effect("a", 3, 30, 0, 0),
         ];
-        let s = [ScopeEffects {
+        let s = [Raw {
             scope: &a,
             after: StreamPosition::GenerationStart,
             effects: &effects,
         }];
         let b = Boundary::TransactionEnd { commit_lsn: 30 };
-        let page = build(&s, b, 1);
+        let page = build_raw(&s, b, 1);
         // Candidates by position: key 2 @10.1, key 1 @20, key 3 @30.
         assert_eq!(page.changes, [&effects[1]]);
         assert!(page.has_more);
         // Through the raw effect before key 1's candidate: 10.1. The
         // suppressed 10.0 is behind the cursor, covered by 20 still ahead.
         assert_eq!(page.cursors[&a], at(10, 1, 0));
-        let page = build(&s, b, 2);
+        let page = build_raw(&s, b, 2);
         assert_eq!(page.changes, [&effects[1], &effects[2]]);
         assert_eq!(page.cursors[&a], at(20, 0, 0));
-        let page = build(&s, b, 3);
+        let page = build_raw(&s, b, 3);
         assert!(!page.has_more);
         assert_eq!(page.cursors[&a], StreamPosition::from(b));
     }
@@ -217,18 +325,18 @@ mod tests {
             .collect();
         let old = [effect("z", 7, 5, 0, 0)];
         let s = [
-            ScopeEffects {
+            Raw {
                 scope: &a,
                 after: StreamPosition::GenerationStart,
                 effects: &busy,
             },
-            ScopeEffects {
+            Raw {
                 scope: &z,
                 after: StreamPosition::GenerationStart,
                 effects: &old,
             },
         ];
-        let page = build(&s, Boundary::TransactionEnd { commit_lsn: 200 }, 1);
+        let page = build_raw(&s, Boundary::TransactionEnd { commit_lsn: 200 }, 1);
         assert_eq!(page.changes, [&old[0]], "the least position first");
         assert_eq!(
             page.cursors[&z],
@@ -245,19 +353,19 @@ mod tests {
         let (a, b) = (scope("a"), scope("b"));
         let b_start = at(3, 0, 0);
         let s = [
-            ScopeEffects {
+            Raw {
                 scope: &a,
                 after: StreamPosition::GenerationStart,
                 effects: &[],
             },
-            ScopeEffects {
+            Raw {
                 scope: &b,
                 after: b_start,
                 effects: &[],
             },
         ];
         let end = Boundary::TransactionEnd { commit_lsn: 9 };
-        let page = build(&s, end, 10);
+        let page = build_raw(&s, end, 10);
         assert!(!page.has_more && page.changes.is_empty());
         assert_eq!(page.cursors.len(), 2);
         assert!(
@@ -274,7 +382,7 @@ mod tests {
     /// Checks one page against the model, independently of `build`:
     /// the limit, starvation-freedom, and that no cursor passes an effect
     /// that was neither delivered nor covered by a candidate still ahead.
-    fn check(scopes: &[ScopeEffects<'_>], page: &Page<'_>, limit: usize) -> Result<(), String> {
+    fn check(scopes: &[Raw<'_>], page: &RawPage<'_>, limit: usize) -> Result<(), String> {
         if page.changes.len() > limit {
             return Err("over the limit".into());
         }
@@ -380,14 +488,14 @@ mod tests {
                     .collect()
             })
             .collect();
-        let scopes: Vec<ScopeEffects<'_>> = (0..3)
-            .map(|s| ScopeEffects {
+        let scopes: Vec<Raw<'_>> = (0..3)
+            .map(|s| Raw {
                 scope: &names[s],
                 after: cursor[s],
                 effects: &eligible[s],
             })
             .collect();
-        let page = build(&scopes, boundary, limit);
+        let page = build_raw(&scopes, boundary, limit);
         check(&scopes, &page, limit).map_err(TestCaseError::fail)?;
         for e in &page.changes {
             held.insert(
@@ -410,17 +518,17 @@ mod tests {
     fn the_check_catches_a_cursor_one_position_too_far() {
         let a = scope("a");
         let effects = [effect("a", 1, 10, 0, 0), effect("a", 2, 20, 0, 0)];
-        let s = [ScopeEffects {
+        let s = [Raw {
             scope: &a,
             after: StreamPosition::GenerationStart,
             effects: &effects,
         }];
-        let mut page = build(&s, Boundary::TransactionEnd { commit_lsn: 20 }, 1);
+        let mut page = build_raw(&s, Boundary::TransactionEnd { commit_lsn: 20 }, 1);
         assert_eq!(check(&s, &page, 1), Ok(()));
         page.cursors.insert(a.clone(), at(20, 0, 0));
         assert!(check(&s, &page, 1).is_err());
         // And a dropped change.
-        let mut page = build(&s, Boundary::TransactionEnd { commit_lsn: 20 }, 2);
+        let mut page = build_raw(&s, Boundary::TransactionEnd { commit_lsn: 20 }, 2);
         page.changes.pop();
         assert!(check(&s, &page, 2).is_err());
     }

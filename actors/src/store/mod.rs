@@ -4,7 +4,7 @@
 
 mod mem;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 
@@ -13,6 +13,7 @@ use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
+use protocol::token::TokenKey;
 
 use crate::capture::{
     CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
@@ -22,6 +23,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use crate::stream::{Checkpoint, MembershipRules, StreamState};
 
 /// A store operation failed. Every kind rolls the transaction back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,6 +66,9 @@ pub struct ClientRecord {
     pub scope_set_version: u64,
     /// The authoritative assignment at `scope_set_version`.
     pub assigned: BTreeSet<ScopeId>,
+    /// Every scope assigned in this generation, `assigned` included: a
+    /// pull may present one that was removed since, never another.
+    pub ever_assigned: BTreeSet<ScopeId>,
     /// Steps by one with every push that applied a write.
     pub accepted_write_epoch: u64,
     /// The client went on from its first connect (a continuing connect, or a
@@ -78,6 +83,14 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Opens a transaction whose reads all see one snapshot (PostgreSQL:
+    /// REPEATABLE READ). A write that conflicts with a concurrent one fails
+    /// `Unavailable`, and the caller retries.
+    fn begin_snapshot(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// 32 bytes for a new secret: real entropy (MemStore: its seeded RNG).
+    fn fresh_secret(&self) -> impl Future<Output = Result<[u8; 32], StoreError>> + Send;
 
     /// Installs (idempotently) and verifies what capture needs: version
     /// triggers and the key guard on registered tables, and the feed over
@@ -204,6 +217,67 @@ pub trait StoreTx: Send {
     /// Records the transaction that blocks capture.
     fn quarantine(&mut self, q: &Quarantine)
     -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The stream's generation, retention generation and floor.
+    fn stream_state(&mut self) -> impl Future<Output = Result<StreamState, StoreError>> + Send;
+
+    /// The history of every table's scope rules.
+    fn membership_rules(
+        &mut self,
+    ) -> impl Future<Output = Result<Vec<MembershipRules>, StoreError>> + Send;
+
+    /// Appends rule sets; a (table, generation) stored already is an integrity failure.
+    fn insert_membership_rules(
+        &mut self,
+        rules: &[MembershipRules],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Every token key, of any state.
+    fn token_keys(&mut self) -> impl Future<Output = Result<Vec<TokenKey>, StoreError>> + Send;
+
+    /// Stores these keys, unless a key is stored already (a process that
+    /// started at the same time won): then nothing changes.
+    fn insert_token_keys(
+        &mut self,
+        keys: &[TokenKey],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The acknowledged checkpoints of a client, by scope.
+    fn checkpoints(
+        &mut self,
+        client_id: &str,
+    ) -> impl Future<Output = Result<BTreeMap<ScopeId, Checkpoint>, StoreError>> + Send;
+
+    /// Sets these checkpoints of a client (the caller keeps them monotonic).
+    fn put_checkpoints(
+        &mut self,
+        client_id: &str,
+        checkpoints: &[(ScopeId, Checkpoint)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether a write accepted from this client awaits materialization.
+    fn has_pending_fence(
+        &mut self,
+        client_id: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// A scope's retained pull candidates after `after` and through
+    /// `through`: the effects no later effect of the same row through
+    /// `through` supersedes, in position order, at most `max` of them.
+    fn scope_candidates(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<Effect>, StoreError>> + Send;
+
+    /// The position of a scope's last effect before `before`, if any.
+    fn last_effect_before(
+        &mut self,
+        scope: &ScopeId,
+        before: StreamPosition,
+    ) -> impl Future<Output = Result<Option<StreamPosition>, StoreError>> + Send;
 
     /// The effects of a scope after `after` and through `through`, in position order.
     fn scope_effects(

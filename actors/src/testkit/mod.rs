@@ -757,6 +757,10 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
             .iter()
             .map(|s| ScopeId::parse(s).unwrap())
             .collect(),
+        ever_assigned: ["user:u1", "b", "a", "gone"]
+            .iter()
+            .map(|s| ScopeId::parse(s).unwrap())
+            .collect(),
         accepted_write_epoch: 7,
         continued: true,
     };
@@ -796,6 +800,7 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
         installed_schema: None,
         scope_set_version: 2,
         assigned: BTreeSet::new(),
+        ever_assigned: BTreeSet::new(),
         accepted_write_epoch: 8,
         continued: false,
         ..client.clone()

@@ -1359,6 +1359,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
         installed_schema: None,
         scope_set_version: 0,
         assigned: Default::default(),
+        ever_assigned: Default::default(),
         accepted_write_epoch: 0,
         continued: false,
     };

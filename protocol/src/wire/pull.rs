@@ -27,7 +27,12 @@ pub struct PullRequest {
 impl PullRequest {
     /// Parses a pull body.
     pub fn parse(body: &[u8]) -> Result<PullRequest, ProtocolError> {
-        let mut m = Members::new(parse_body(body)?, "pull request")?;
+        PullRequest::from_value(parse_body(body)?)
+    }
+
+    /// Validates an already parsed body.
+    pub fn from_value(body: Value) -> Result<PullRequest, ProtocolError> {
+        let mut m = Members::new(body, "pull request")?;
         let (client_id, client_generation) = client_identity(&mut m)?;
         let schema = schema_ref(&m.take("schema")?, "schema")?;
         let scope_set_version =

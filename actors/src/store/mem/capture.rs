@@ -93,6 +93,13 @@ pub(super) struct CaptureState {
 }
 
 impl CaptureState {
+    /// 32 bytes from the store's seeded RNG (for a new secret).
+    pub fn random_bytes(&mut self) -> [u8; 32] {
+        let mut bytes = [0u8; 32];
+        self.rng.fill_bytes(&mut bytes);
+        bytes
+    }
+
     pub fn new(seed: u64) -> CaptureState {
         CaptureState {
             relations: BTreeMap::new(),
@@ -517,6 +524,43 @@ impl MemTx {
 
     pub(super) fn quarantine(&mut self, q: &Quarantine) {
         self.work.capture.progress.quarantine = Some(q.clone());
+    }
+
+    pub(super) fn scope_candidates(
+        &self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+        max: usize,
+    ) -> Vec<Effect> {
+        let effects = self.scope_effects(scope, after, through);
+        // The last effect of each row wins.
+        let mut last: BTreeMap<(&str, &RowIdentity), StreamPosition> = BTreeMap::new();
+        for e in &effects {
+            last.insert((e.table_id.as_str(), &e.identity), e.position());
+        }
+        effects
+            .iter()
+            .filter(|e| last.get(&(e.table_id.as_str(), &e.identity)) == Some(&e.position()))
+            .take(max)
+            .cloned()
+            .collect()
+    }
+
+    pub(super) fn last_effect_before(
+        &self,
+        scope: &ScopeId,
+        before: StreamPosition,
+    ) -> Option<StreamPosition> {
+        self.work
+            .capture
+            .effects
+            .range((
+                Bound::Included((scope.clone(), StreamPosition::GenerationStart)),
+                Bound::Excluded((scope.clone(), before)),
+            ))
+            .next_back()
+            .map(|((_, p), _)| *p)
     }
 
     pub(super) fn scope_effects(

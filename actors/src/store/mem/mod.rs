@@ -13,6 +13,7 @@ use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
+use protocol::token::TokenKey;
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 
 use super::{ClientRecord, Store, StoreError, StoreTx};
@@ -24,6 +25,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use crate::stream::{Checkpoint, MembershipRules, StreamState};
 pub use capture::{MemFeed, SourceError};
 
 /// Everything the store holds.
@@ -36,6 +38,10 @@ struct State {
     dependencies: BTreeMap<(String, String, String), Vec<(String, String)>>,
     capture: capture::CaptureState,
     ledger: push::Ledger,
+    stream: StreamState,
+    membership_rules: Vec<MembershipRules>,
+    token_keys: Vec<TokenKey>,
+    checkpoints: BTreeMap<(String, ScopeId), Checkpoint>,
 }
 
 /// An in-memory database.
@@ -70,6 +76,10 @@ impl MemStore {
                 dependencies: BTreeMap::new(),
                 capture: capture::CaptureState::new(seed),
                 ledger: push::Ledger::default(),
+                stream: StreamState::default(),
+                membership_rules: Vec::new(),
+                token_keys: Vec::new(),
+                checkpoints: BTreeMap::new(),
             })),
             log_len: Arc::new(watch::channel(0).0),
             leader: Arc::new(AtomicBool::new(false)),
@@ -191,6 +201,15 @@ impl Store for MemStore {
             log_len: self.log_len.clone(),
             group: None,
         })
+    }
+
+    async fn begin_snapshot(&self) -> Result<MemTx, StoreError> {
+        // Transactions are serial: every one is a snapshot.
+        self.begin().await
+    }
+
+    async fn fresh_secret(&self) -> Result<[u8; 32], StoreError> {
+        Ok(self.state.lock().await.capture.random_bytes())
     }
 
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
@@ -371,6 +390,97 @@ impl StoreTx for MemTx {
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         MemTx::quarantine(self, q);
         Ok(())
+    }
+
+    async fn stream_state(&mut self) -> Result<StreamState, StoreError> {
+        Ok(self.work.stream)
+    }
+
+    async fn membership_rules(&mut self) -> Result<Vec<MembershipRules>, StoreError> {
+        Ok(self.work.membership_rules.clone())
+    }
+
+    async fn insert_membership_rules(
+        &mut self,
+        rules: &[MembershipRules],
+    ) -> Result<(), StoreError> {
+        for r in rules {
+            let stored = &self.work.membership_rules;
+            if stored
+                .iter()
+                .any(|s| s.table_id == r.table_id && s.generation == r.generation)
+            {
+                return Err(StoreError::Integrity(
+                    "a rule generation stored twice".into(),
+                ));
+            }
+            self.work.membership_rules.push(r.clone());
+        }
+        Ok(())
+    }
+
+    async fn token_keys(&mut self) -> Result<Vec<TokenKey>, StoreError> {
+        Ok(self.work.token_keys.clone())
+    }
+
+    async fn insert_token_keys(&mut self, keys: &[TokenKey]) -> Result<(), StoreError> {
+        if self.work.token_keys.is_empty() {
+            self.work.token_keys = keys.to_vec();
+        }
+        Ok(())
+    }
+
+    async fn checkpoints(
+        &mut self,
+        client_id: &str,
+    ) -> Result<BTreeMap<ScopeId, Checkpoint>, StoreError> {
+        Ok(self
+            .work
+            .checkpoints
+            .iter()
+            .filter(|((c, _), _)| c == client_id)
+            .map(|((_, s), p)| (s.clone(), *p))
+            .collect())
+    }
+
+    async fn put_checkpoints(
+        &mut self,
+        client_id: &str,
+        checkpoints: &[(ScopeId, Checkpoint)],
+    ) -> Result<(), StoreError> {
+        for (scope, p) in checkpoints {
+            self.work
+                .checkpoints
+                .insert((client_id.to_owned(), scope.clone()), *p);
+        }
+        Ok(())
+    }
+
+    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        Ok(self
+            .work
+            .capture
+            .pending_fences
+            .values()
+            .any(|c| c == client_id))
+    }
+
+    async fn scope_candidates(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+        max: usize,
+    ) -> Result<Vec<Effect>, StoreError> {
+        Ok(MemTx::scope_candidates(self, scope, after, through, max))
+    }
+
+    async fn last_effect_before(
+        &mut self,
+        scope: &ScopeId,
+        before: StreamPosition,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        Ok(MemTx::last_effect_before(self, scope, before))
     }
 
     async fn scope_effects(

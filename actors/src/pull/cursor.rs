@@ -1,0 +1,111 @@
+//! Incremental cursors (ADR 003 "Incremental cursor bindings", "Stale
+//! versus forged cursor dispatch"): what each presented cursor means, and
+//! the bindings of a new one. Pure: the caller supplies the current state.
+
+use protocol::digest::Digest;
+use protocol::ids::ScopeId;
+use protocol::position::{Boundary, StreamPosition};
+use protocol::token::{CursorBindings, KeyRing, ScopeBindings, client_binding, user_binding};
+
+use crate::stream::StreamState;
+
+/// Everything an authentic cursor must match to be current.
+#[derive(Clone, Debug)]
+pub struct CursorContext<'a> {
+    pub user_id: &'a str,
+    pub client_id: &'a str,
+    pub client_generation: u64,
+    pub schema_hash: Digest,
+    pub stream: StreamState,
+    /// The page's boundary: no current cursor is past it.
+    pub boundary: Boundary,
+    /// Microseconds since the epoch, for new cursors.
+    pub now_micros: i64,
+}
+
+/// What one presented scope entry asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Presented {
+    /// `cursor: null`: no usable incremental state.
+    Null,
+    /// Authentic and current: the scope resumes after this position.
+    Valid(StreamPosition),
+    /// Authentic, but a lineage it binds is no longer current.
+    Stale,
+}
+
+/// The cursor is malformed, forged, of the wrong kind, or bound to another
+/// user, client or scope: the whole request is 400, with no hint which.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Misbound;
+
+/// Judges one presented cursor of `scope`; `membership_generation` is the
+/// scope's current one.
+pub fn judge(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    scope: &ScopeId,
+    membership_generation: u64,
+    token: Option<&str>,
+) -> Result<Presented, Misbound> {
+    let Some(token) = token else {
+        return Ok(Presented::Null);
+    };
+    let b = keys.verify_cursor(token).map_err(|_| Misbound)?;
+    let s = &b.scope;
+    if s.user_binding != user_binding(ctx.user_id)
+        || s.client_binding != client_binding(ctx.user_id, ctx.client_id)
+        || s.scope_id != scope.as_str()
+    {
+        return Err(Misbound);
+    }
+    // A generation this server never issued yet cannot be authentic.
+    if s.client_generation > ctx.client_generation
+        || s.stream_generation > ctx.stream.generation
+        || s.retention_generation > ctx.stream.retention_generation
+    {
+        return Err(Misbound);
+    }
+    let stale = s.client_generation != ctx.client_generation
+        || s.stream_generation != ctx.stream.generation
+        || s.schema_hash != ctx.schema_hash
+        || s.membership_generation != membership_generation
+        || s.retention_generation != ctx.stream.retention_generation
+        || b.position < ctx.stream.floor
+        // Past what this server has materialized (a restored database):
+        // the client holds state the stream no longer has (docs/adr/0008).
+        || b.position > StreamPosition::from(ctx.boundary);
+    Ok(if stale {
+        Presented::Stale
+    } else {
+        Presented::Valid(b.position)
+    })
+}
+
+/// A new cursor of `scope` at `position`, under the context's bindings.
+pub fn issue(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    scope: &ScopeId,
+    membership_generation: u64,
+    position: StreamPosition,
+) -> String {
+    assert!(
+        position <= StreamPosition::from(ctx.boundary),
+        "a cursor never passes the boundary"
+    );
+    keys.issue_cursor(&CursorBindings {
+        scope: ScopeBindings {
+            stream_generation: ctx.stream.generation,
+            user_binding: user_binding(ctx.user_id),
+            client_binding: client_binding(ctx.user_id, ctx.client_id),
+            client_generation: ctx.client_generation,
+            scope_id: scope.as_str().to_owned(),
+            schema_hash: ctx.schema_hash,
+            membership_generation,
+            retention_generation: ctx.stream.retention_generation,
+            issued_at: ctx.now_micros,
+        },
+        position,
+    })
+}
