@@ -20,12 +20,14 @@ use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
+use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use madsim::net::Endpoint;
 use madsim::time::{Instant, sleep, timeout};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
+use protocol::token::TokenKey;
 use tokio::sync::mpsc;
 
 /// Where the database node listens.
@@ -58,6 +60,16 @@ enum Op {
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
     ScopeEffects(ScopeId, StreamPosition, Boundary),
+    StreamState,
+    MembershipRules,
+    InsertMembershipRules(Vec<MembershipRules>),
+    TokenKeys,
+    InsertTokenKeys(Vec<TokenKey>),
+    Checkpoints(String),
+    PutCheckpoints(String, Vec<(ScopeId, Checkpoint)>),
+    HasPendingFence(String),
+    ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
+    LastEffectBefore(ScopeId, StreamPosition),
     PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
     RecordPush(Box<PushRecord>),
     BeginWrites(Writer),
@@ -85,6 +97,11 @@ enum Answer {
     Projections(Result<Vec<Projection>, StoreError>),
     Dependencies(Result<Vec<DependencyRow>, StoreError>),
     Effects(Result<Vec<Effect>, StoreError>),
+    Stream(Result<StreamState, StoreError>),
+    Rules(Result<Vec<MembershipRules>, StoreError>),
+    Keys(Result<Vec<TokenKey>, StoreError>),
+    Checkpoints(Result<BTreeMap<ScopeId, Checkpoint>, StoreError>),
+    Position(Result<Option<StreamPosition>, StoreError>),
     Ledger(Result<LedgerEntries, StoreError>),
     Found(Result<Vec<FoundRow>, StoreError>),
     Written(Result<WriteResult, StoreError>),
@@ -378,6 +395,24 @@ async fn transaction(
                 Answer::Effects(tx.scope_effects(&scope, after, through).await),
                 false,
             ),
+            Op::StreamState => (Answer::Stream(tx.stream_state().await), false),
+            Op::MembershipRules => (Answer::Rules(tx.membership_rules().await), false),
+            Op::InsertMembershipRules(r) => {
+                (Answer::Unit(tx.insert_membership_rules(&r).await), false)
+            }
+            Op::TokenKeys => (Answer::Keys(tx.token_keys().await), false),
+            Op::InsertTokenKeys(k) => (Answer::Unit(tx.insert_token_keys(&k).await), false),
+            Op::Checkpoints(c) => (Answer::Checkpoints(tx.checkpoints(&c).await), false),
+            Op::PutCheckpoints(c, p) => (Answer::Unit(tx.put_checkpoints(&c, &p).await), false),
+            Op::HasPendingFence(c) => (Answer::Inserted(tx.has_pending_fence(&c).await), false),
+            Op::ScopeCandidates(scope, after, through, max) => (
+                Answer::Effects(tx.scope_candidates(&scope, after, through, max).await),
+                false,
+            ),
+            Op::LastEffectBefore(scope, before) => (
+                Answer::Position(tx.last_effect_before(&scope, before).await),
+                false,
+            ),
             Op::PushLedger(u, c, b, ids) => {
                 (Answer::Ledger(tx.push_ledger(&u, &c, b, &ids).await), false)
             }
@@ -551,6 +586,18 @@ impl Store for RemoteStore {
             Answer::Feed(Err(e)) => Err(e),
             _ => Err(mismatch()),
         }
+    }
+
+    async fn begin_snapshot(&self) -> Result<RemoteTx, StoreError> {
+        // The database node's MemStore runs transactions one at a time.
+        self.begin().await
+    }
+
+    async fn fresh_secret(&self) -> Result<[u8; 32], StoreError> {
+        use madsim::rand::RngCore;
+        let mut secret = [0u8; 32];
+        madsim::rand::thread_rng().fill_bytes(&mut secret);
+        Ok(secret)
     }
 
     async fn begin(&self) -> Result<RemoteTx, StoreError> {
@@ -814,6 +861,108 @@ impl StoreTx for RemoteTx {
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         match self.call(Op::Quarantine(q.clone())).await? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn stream_state(&mut self) -> Result<StreamState, StoreError> {
+        match self.call(Op::StreamState).await? {
+            Answer::Stream(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn membership_rules(&mut self) -> Result<Vec<MembershipRules>, StoreError> {
+        match self.call(Op::MembershipRules).await? {
+            Answer::Rules(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn insert_membership_rules(
+        &mut self,
+        rules: &[MembershipRules],
+    ) -> Result<(), StoreError> {
+        match self.call(Op::InsertMembershipRules(rules.to_vec())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn token_keys(&mut self) -> Result<Vec<TokenKey>, StoreError> {
+        match self.call(Op::TokenKeys).await? {
+            Answer::Keys(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn insert_token_keys(&mut self, keys: &[TokenKey]) -> Result<(), StoreError> {
+        match self.call(Op::InsertTokenKeys(keys.to_vec())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn checkpoints(
+        &mut self,
+        client_id: &str,
+    ) -> Result<BTreeMap<ScopeId, Checkpoint>, StoreError> {
+        match self.call(Op::Checkpoints(client_id.to_owned())).await? {
+            Answer::Checkpoints(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn put_checkpoints(
+        &mut self,
+        client_id: &str,
+        checkpoints: &[(ScopeId, Checkpoint)],
+    ) -> Result<(), StoreError> {
+        match self
+            .call(Op::PutCheckpoints(
+                client_id.to_owned(),
+                checkpoints.to_vec(),
+            ))
+            .await?
+        {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        match self.call(Op::HasPendingFence(client_id.to_owned())).await? {
+            Answer::Inserted(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn scope_candidates(
+        &mut self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+        max: usize,
+    ) -> Result<Vec<Effect>, StoreError> {
+        match self
+            .call(Op::ScopeCandidates(scope.clone(), after, through, max))
+            .await?
+        {
+            Answer::Effects(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn last_effect_before(
+        &mut self,
+        scope: &ScopeId,
+        before: StreamPosition,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        match self
+            .call(Op::LastEffectBefore(scope.clone(), before))
+            .await?
+        {
+            Answer::Position(r) => r,
             _ => Err(mismatch()),
         }
     }
