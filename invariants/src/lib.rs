@@ -11,6 +11,7 @@
 //!   200 for it, and every other user gets 401 `auth_required`.
 
 pub mod capture;
+pub mod pull;
 pub mod push;
 
 use std::collections::{BTreeMap, BTreeSet};

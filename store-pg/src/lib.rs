@@ -659,4 +659,26 @@ impl actors::testkit::CaptureWorld for PgWorld {
         tx.commit().await.unwrap();
         pgwire_replication::Lsn::parse(&lsn).unwrap().as_u64()
     }
+
+    async fn grant(&self, user: &str, scope: &str, on: bool) {
+        let sql = if on {
+            "INSERT INTO synchro.scope_grants (user_id, scope_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+        } else {
+            "DELETE FROM synchro.scope_grants WHERE user_id = $1 AND scope_id = $2"
+        };
+        sqlx::query(sql)
+            .bind(user)
+            .bind(scope)
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+    }
+
+    async fn retire(&self, client_id: &str) {
+        sqlx::query("UPDATE synchro.clients SET retired = true WHERE client_id = $1")
+            .bind(client_id)
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+    }
 }

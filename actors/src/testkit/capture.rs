@@ -42,6 +42,10 @@ pub trait CaptureWorld {
     /// Commits `writes` as one source transaction. Returns an LSN at or below
     /// its commit LSN and above every earlier commit's.
     async fn write(&self, writes: &[Write<'_>]) -> Lsn;
+    /// Adds or removes a row of `synchro.scope_grants` (an operator's SQL).
+    async fn grant(&self, user: &str, scope: &str, on: bool);
+    /// Retires a client identity (an operator action).
+    async fn retire(&self, client_id: &str);
 }
 
 /// The capture world of MemStore: application writes straight into its source relations.
@@ -90,6 +94,18 @@ impl CaptureWorld for MemWorld {
         tx.commit().await.unwrap();
         before + 1
     }
+
+    async fn grant(&self, user: &str, scope: &str, on: bool) {
+        if on {
+            self.store.grant(user, scope).await;
+        } else {
+            self.store.revoke(user, scope).await;
+        }
+    }
+
+    async fn retire(&self, client_id: &str) {
+        self.store.retire_client(client_id).await;
+    }
 }
 
 const N1: &str = "00000000-0000-4000-8000-000000000001";
@@ -117,7 +133,7 @@ fn note<'a>(id: &'a str, owner: &'a str) -> [(&'a str, Option<&'a str>); 7] {
 }
 
 /// Waits until everything committed before `lsn` is materialized (or capture blocks).
-async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
+pub(crate) async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
     for _ in 0..2000 {
         let mut tx = store.begin().await.unwrap();
         let p = tx.capture_progress().await.unwrap();

@@ -10,10 +10,14 @@ use protocol::manifest::Manifest;
 use crate::config::SyncConfig;
 
 mod capture;
+mod pull;
 mod push;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
     truncate_blocks,
+};
+pub use pull::{
+    PullClient, cursor_bindings, cursor_position, mint_cursor, origin_cursor, pull_note, pull_suite,
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,

@@ -1,0 +1,789 @@
+//! The pull suite: every request error and its precedence, stale versus
+//! forged cursors, delayed acknowledgement, deduplication and the merge,
+//! scope movement, capture gates and the terminal checksum rules, on any
+//! store. Every page is applied by `invariants::pull::Replica`, which
+//! checks it completely as a client must (row checksums, the checksum key
+//! set, each terminal scope checksum).
+//!
+//! Rebuild does not exist yet (issue 12). Where a scope needs one, the
+//! client installs [`origin_cursor`]: the final cursor a rebuild at
+//! `generation_start` returns. Nothing is ever compacted yet, so a pull
+//! from there delivers every row of the scope, which is what a rebuild
+//! followed by pulls would leave.
+
+use std::collections::BTreeMap;
+
+use invariants::pull::{Applied, Replica};
+use protocol::json::{self, Value};
+use protocol::position::StreamPosition;
+use protocol::token::{CursorBindings, KeyRing, KeyState, ScopeBindings, TokenKey, TokenKind};
+use protocol::token::{client_binding, user_binding};
+
+use super::capture::settle;
+use super::push::{PushClient, note_mutation, push_config};
+use super::{CaptureWorld, ConnectBody, Write};
+use crate::Engine;
+use crate::capture::Lsn;
+use crate::store::{Store, StoreTx};
+use crate::stream::{Checkpoint, MembershipLineage, load_key_ring};
+
+const NOW: i64 = super::NOW;
+const T: &str = "2026-07-18 14:00:01.5+00";
+
+/// A note row with this title.
+fn note<'a>(id: &'a str, owner: &'a str, title: &'a str) -> [(&'a str, Option<&'a str>); 7] {
+    [
+        ("id", Some(id)),
+        ("owner_id", Some(owner)),
+        ("title", Some(title)),
+        ("body", None),
+        ("pinned", Some("f")),
+        ("updated_at", Some(T)),
+        ("deleted_at", None),
+    ]
+}
+
+/// Note `n` of the suite (a UUID, as `notes.id` is).
+pub fn pull_note(n: u64) -> String {
+    format!("00000000-0000-4000-8000-{:012x}", 0x7000 + n)
+}
+
+/// The bindings an authentic cursor of this client and scope has now.
+pub async fn cursor_bindings<S: Store>(
+    store: &S,
+    user: &str,
+    client_id: &str,
+    generation: u64,
+    scope: &str,
+    position: StreamPosition,
+) -> CursorBindings {
+    let mut tx = store.begin().await.unwrap();
+    let manifest = tx.manifests().await.unwrap().pop().unwrap();
+    let stream = tx.stream_state().await.unwrap();
+    let rules = tx.membership_rules().await.unwrap();
+    drop(tx);
+    let scope_id = protocol::ids::ScopeId::parse(scope).unwrap();
+    CursorBindings {
+        scope: ScopeBindings {
+            stream_generation: stream.generation,
+            user_binding: user_binding(user),
+            client_binding: client_binding(user, client_id),
+            client_generation: generation,
+            scope_id: scope.to_owned(),
+            schema_hash: manifest.hash(),
+            membership_generation: MembershipLineage::new(&rules).generation_of(&scope_id),
+            retention_generation: stream.retention_generation,
+            issued_at: NOW,
+        },
+        position,
+    }
+}
+
+/// A cursor under the server's own keys with these bindings.
+pub async fn mint_cursor<S: Store>(store: &S, b: &CursorBindings) -> String {
+    load_key_ring(store).await.unwrap().issue_cursor(b)
+}
+
+/// The final cursor a rebuild of `scope` at `generation_start` returns.
+pub async fn origin_cursor<S: Store>(
+    store: &S,
+    user: &str,
+    client_id: &str,
+    generation: u64,
+    scope: &str,
+) -> String {
+    let b = cursor_bindings(
+        store,
+        user,
+        client_id,
+        generation,
+        scope,
+        StreamPosition::GenerationStart,
+    )
+    .await;
+    mint_cursor(store, &b).await
+}
+
+/// The position a server cursor stands for (for checks of the store).
+pub async fn cursor_position<S: Store>(store: &S, token: &str) -> StreamPosition {
+    load_key_ring(store)
+        .await
+        .unwrap()
+        .verify_cursor(token)
+        .unwrap()
+        .position
+}
+
+/// A connected client that pulls into a [`Replica`].
+pub struct PullClient<S: Store> {
+    pub store: S,
+    pub engine: Engine,
+    pub user: String,
+    pub client_id: String,
+    pub generation: u64,
+    pub replica: Replica,
+}
+
+impl<S: Store> PullClient<S> {
+    /// Connects a fresh client of `user`.
+    pub async fn connect(store: &S, engine: &Engine, user: &str, client_id: &str) -> Self {
+        let r = engine
+            .connect(
+                user,
+                json::to_canonical(&ConnectBody::fresh(client_id).to_json()),
+                NOW,
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let mut tx = store.begin().await.unwrap();
+        let manifest = tx.manifests().await.unwrap().pop().unwrap();
+        drop(tx);
+        let mut replica = Replica::new(manifest);
+        replica.connected(&r.body).unwrap();
+        let v = json::parse(&r.body).unwrap();
+        PullClient {
+            store: store.clone(),
+            engine: engine.clone(),
+            user: user.into(),
+            client_id: client_id.into(),
+            generation: super::int(&v.as_object().unwrap()["client_generation"]),
+            replica,
+        }
+    }
+
+    /// The request body for `limit` from the replica's state.
+    pub fn body(&self, limit: u16) -> Vec<u8> {
+        self.replica
+            .request(&self.client_id, self.generation, limit)
+    }
+
+    /// Sends `body` as this client's user: status and parsed body.
+    pub async fn send(&self, body: Vec<u8>) -> (u16, Value, Option<u32>) {
+        let r = self.engine.pull(&self.user, body, NOW).await;
+        (r.status, json::parse(&r.body).unwrap(), r.retry_after)
+    }
+
+    /// One pull, which must answer 200, applied to the replica.
+    pub async fn pull(&mut self, limit: u16) -> Applied {
+        let r = self.engine.pull(&self.user, self.body(limit), NOW).await;
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let applied = self.replica.apply(&r.body).unwrap();
+        assert!(applied.mismatched.is_empty(), "{applied:?}");
+        applied
+    }
+
+    /// Installs the origin cursor on every scope that needs a rebuild.
+    pub async fn rebuild(&mut self) {
+        for (scope, local) in &mut self.replica.scopes {
+            if local.cursor.is_none() {
+                local.rows.clear();
+                local.cursor = Some(
+                    origin_cursor(
+                        &self.store,
+                        &self.user,
+                        &self.client_id,
+                        self.generation,
+                        scope,
+                    )
+                    .await,
+                );
+            }
+        }
+    }
+
+    /// Rebuilds what needs it, then pulls to a terminal page; the changes seen.
+    pub async fn sync(&mut self, limit: u16) -> usize {
+        let mut n = 0;
+        for _ in 0..10_000 {
+            self.rebuild().await;
+            let a = self.pull(limit).await;
+            n += a.changes;
+            if !a.has_more && a.rebuild.is_empty() {
+                return n;
+            }
+        }
+        panic!("no terminal page");
+    }
+
+    /// The acknowledged checkpoints of this client.
+    pub async fn checkpoints(&self) -> BTreeMap<String, Checkpoint> {
+        let mut tx = self.store.begin().await.unwrap();
+        let c = tx.checkpoints(&self.client_id).await.unwrap();
+        c.into_iter()
+            .map(|(s, c)| (s.as_str().to_owned(), c))
+            .collect()
+    }
+
+    /// The cursor the replica holds for `scope`.
+    pub fn cursor(&self, scope: &str) -> String {
+        self.replica.scopes[scope].cursor.clone().unwrap()
+    }
+
+    /// The request body with `scope`'s cursor replaced by `cursor`.
+    pub fn body_with(&self, scope: &str, cursor: Value, limit: u16) -> Vec<u8> {
+        let mut v = json::parse(&self.body(limit)).unwrap();
+        if let Value::Object(o) = &mut v
+            && let Some(Value::Object(scopes)) = o.get_mut("scopes")
+        {
+            scopes.insert(scope.into(), json::object([("cursor", cursor)]));
+        }
+        json::to_canonical(&v)
+    }
+}
+
+fn code(v: &Value) -> &str {
+    v.as_object().unwrap()["error"].as_object().unwrap()["code"]
+        .as_str()
+        .unwrap()
+}
+
+fn edit(body: &[u8], f: impl FnOnce(&mut json::Object)) -> Vec<u8> {
+    let mut v = json::parse(body).unwrap();
+    if let Value::Object(o) = &mut v {
+        f(o);
+    }
+    json::to_canonical(&v)
+}
+
+async fn write_settled<W: CaptureWorld>(world: &W, writes: &[Write<'_>]) -> Lsn {
+    let lsn = world.write(writes).await;
+    settle(world.store(), lsn).await;
+    lsn
+}
+
+/// The whole pull suite on one world.
+pub async fn pull_suite<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    // Capture's leadership, held so that nothing materializes until
+    // `capture_gates` lets go.
+    let feed = store.change_feed().await.unwrap().unwrap();
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    capture_gates(world, &engine, feed).await;
+    request_errors(world, &engine).await;
+    stale_and_forged(world, &engine).await;
+    delayed_acknowledgement(world, &engine).await;
+    dedup_merge_and_siblings(world, &engine).await;
+    scope_movement(world, &engine).await;
+    admission(world, &engine).await;
+}
+
+/// Every request error, and the precedence between them.
+async fn request_errors<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "pe-u", "pe-c").await;
+    c.sync(10).await;
+    let good = c.body(10);
+    let send = |b: Vec<u8>| c.send(b);
+    // 3. Structure.
+    let (s, v, _) = send(b"{".to_vec()).await;
+    assert_eq!((s, code(&v)), (400, "invalid_request"));
+    for limit in [0i64, 1001, -1] {
+        let b = edit(&good, |o| {
+            o.insert("limit".into(), Value::int(limit));
+        });
+        let (s, v, _) = send(b).await;
+        assert_eq!((s, code(&v)), (400, "invalid_request"), "limit {limit}");
+    }
+    for member in ["limit", "scopes", "schema", "scope_set_version"] {
+        let b = edit(&good, |o| {
+            o.remove(member);
+        });
+        let (s, v, _) = send(b).await;
+        assert_eq!((s, code(&v)), (400, "invalid_request"), "without {member}");
+    }
+    let b = edit(&good, |o| {
+        o.insert("extra".into(), Value::Bool(true));
+    });
+    assert_eq!(send(b).await.0, 400);
+    // 1. Binding: an unknown client, or another user's, before structure.
+    let (s, v, _) = c
+        .engine
+        .pull("someone-else", good.clone(), NOW)
+        .await
+        .into_parts();
+    assert_eq!((s, code(&v)), (401, "auth_required"));
+    let b = edit(&good, |o| {
+        o.insert("client_id".into(), Value::string("never-connected"));
+        o.insert("limit".into(), Value::int(0));
+    });
+    let (s, v, _) = send(b).await;
+    assert_eq!(
+        (s, code(&v)),
+        (401, "auth_required"),
+        "binding precedes structure"
+    );
+    // 6. Generation before schema; schema before cursors and scope rules.
+    let wrong_schema = json::object([
+        ("version", Value::int(1)),
+        ("hash", Value::string("0".repeat(64))),
+    ]);
+    let b = edit(&good, |o| {
+        o.insert("client_generation".into(), Value::int(7));
+        o.insert("schema".into(), wrong_schema.clone());
+    });
+    let (s, v, _) = send(b).await;
+    assert_eq!((s, code(&v)), (409, "client_generation_expired"));
+    assert_eq!(
+        v.as_object().unwrap()["error"].as_object().unwrap()["current_client_generation"],
+        Value::int(1)
+    );
+    let forged = c.body_with("templates_public", Value::string("ic1.AAAA.BBBB"), 10);
+    let b = edit(&forged, |o| {
+        o.insert("schema".into(), wrong_schema.clone());
+    });
+    let (s, v, _) = send(b).await;
+    assert_eq!(
+        (s, code(&v)),
+        (422, "schema_mismatch"),
+        "schema precedes cursors"
+    );
+    // Request rules that need state: a future scope-set version, a scope never assigned.
+    let b = edit(&good, |o| {
+        o.insert("scope_set_version".into(), Value::int(99));
+    });
+    let (s, v, _) = send(b).await;
+    assert_eq!((s, code(&v)), (400, "invalid_request"));
+    let b = c.body_with("invented", Value::Null, 10);
+    let (s, v, _) = send(b).await;
+    assert_eq!((s, code(&v)), (400, "invalid_request"));
+    // 7. A forged cursor fails the whole request.
+    let (s, v, _) = send(forged).await;
+    assert_eq!((s, code(&v)), (400, "invalid_request"));
+    // 4. Retirement precedes the generation gate.
+    world.retire("pe-c").await;
+    let b = edit(&good, |o| {
+        o.insert("client_generation".into(), Value::int(7));
+    });
+    let (s, v, _) = send(b).await;
+    assert_eq!((s, code(&v)), (409, "client_retired"));
+}
+
+/// An authentic cursor whose lineage is obsolete sends its scope to
+/// rebuild; one that is forged or bound to anything else fails the request.
+async fn stale_and_forged<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "sf-u", "sf-c").await;
+    c.sync(10).await;
+    let scope = "user:sf-u";
+    let at = cursor_position(store, &c.cursor(scope)).await;
+    let now = cursor_bindings(store, "sf-u", "sf-c", c.generation, scope, at).await;
+    let acked = c.checkpoints().await.get(scope).copied();
+    // Stale: each lineage the cursor binds.
+    let stale: [(&str, Box<dyn Fn(&mut CursorBindings)>); 4] = [
+        ("stream", Box::new(|b| b.scope.stream_generation -= 1)),
+        ("schema", Box::new(|b| b.scope.schema_hash.0[0] ^= 1)),
+        (
+            "membership",
+            Box::new(|b| b.scope.membership_generation += 1),
+        ),
+        ("retention", Box::new(|b| b.scope.retention_generation -= 1)),
+    ];
+    for (what, f) in &stale {
+        let mut b = now.clone();
+        f(&mut b);
+        let token = mint_cursor(store, &b).await;
+        let (s, v, _) = c.send(c.body_with(scope, Value::string(token), 10)).await;
+        assert_eq!(s, 200, "{what}: {v:?}");
+        let o = v.as_object().unwrap();
+        assert_eq!(
+            o["rebuild"],
+            Value::Array(vec![Value::string(scope)]),
+            "{what}"
+        );
+        assert!(
+            !o["scope_cursors"].as_object().unwrap().contains_key(scope),
+            "{what}: a stale scope gets no cursor"
+        );
+        assert_eq!(
+            c.checkpoints().await.get(scope),
+            acked.as_ref(),
+            "{what}: not acknowledged"
+        );
+    }
+    // A cursor past what is materialized (a restored database) is stale too.
+    let mut past = now.clone();
+    past.position = StreamPosition::TransactionEnd {
+        commit_lsn: u64::MAX >> 2,
+    };
+    let token = mint_cursor(store, &past).await;
+    let (s, v, _) = c.send(c.body_with(scope, Value::string(token), 10)).await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        v.as_object().unwrap()["rebuild"],
+        Value::Array(vec![Value::string(scope)])
+    );
+    // Client generation: a renewed generation makes the old cursors stale.
+    let old_cursor = c.cursor(scope);
+    let mut body = ConnectBody::fresh("sf-c");
+    body.generation = Some(c.generation + 5); // a stale generation: renewed
+    body.schema = c.replica_schema();
+    body.scope_set_version = c.replica.scope_set_version;
+    body.known = c
+        .replica
+        .scopes
+        .iter()
+        .map(|(s, l)| (s.clone(), l.cursor.clone()))
+        .collect();
+    let r = engine
+        .connect("sf-u", json::to_canonical(&body.to_json()), NOW)
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let g = super::int(&json::parse(&r.body).unwrap().as_object().unwrap()["client_generation"]);
+    assert_eq!(g, c.generation + 1);
+    c.generation = g;
+    let (s, v, _) = c
+        .send(c.body_with(scope, Value::string(old_cursor), 10))
+        .await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        v.as_object().unwrap()["rebuild"],
+        Value::Array(vec![
+            Value::string("templates_public"),
+            Value::string(scope)
+        ]),
+        "every cursor of an older client generation is stale"
+    );
+    let now = cursor_bindings(store, "sf-u", "sf-c", c.generation, scope, at).await;
+    // Forged or misbound: user, client, scope, kind, key, bytes.
+    let mut misbound: Vec<(&str, String)> = Vec::new();
+    let mut b = now.clone();
+    b.scope.user_binding = user_binding("other");
+    misbound.push(("user", mint_cursor(store, &b).await));
+    let mut b = now.clone();
+    b.scope.client_binding = client_binding("sf-u", "other");
+    misbound.push(("client", mint_cursor(store, &b).await));
+    let mut b = now.clone();
+    b.scope.scope_id = "templates_public".into();
+    misbound.push(("scope", mint_cursor(store, &b).await));
+    let mut b = now.clone();
+    b.scope.client_generation += 1;
+    misbound.push(("a generation never issued", mint_cursor(store, &b).await));
+    let foreign = KeyRing::new(vec![
+        TokenKey {
+            key_id: "ic-1".into(),
+            kind: TokenKind::IncrementalCursor,
+            state: KeyState::Active,
+            secret: [7; 32],
+        },
+        TokenKey {
+            key_id: "rc-1".into(),
+            kind: TokenKind::RebuildContinuation,
+            state: KeyState::Active,
+            secret: [8; 32],
+        },
+    ])
+    .unwrap();
+    misbound.push(("key", foreign.issue_cursor(&now)));
+    let good = mint_cursor(store, &now).await;
+    misbound.push(("kind", good.replacen("ic1.", "rc1.", 1)));
+    let mut bytes = good.clone().into_bytes();
+    let last = bytes.len() - 1;
+    bytes[last] = if bytes[last] == b'A' { b'B' } else { b'A' };
+    misbound.push(("mac", String::from_utf8(bytes).unwrap()));
+    for (what, token) in misbound {
+        let (s, v, _) = c.send(c.body_with(scope, Value::string(token), 10)).await;
+        assert_eq!((s, code(&v)), (400, "invalid_request"), "{what}");
+    }
+    // The authentic current cursor still works.
+    let (s, _, _) = c.send(c.body_with(scope, Value::string(good), 10)).await;
+    assert_eq!(s, 200);
+}
+
+impl<S: Store> PullClient<S> {
+    fn replica_schema(&self) -> Value {
+        let b = json::parse(&self.body(1)).unwrap();
+        b.as_object().unwrap()["schema"].clone()
+    }
+}
+
+trait IntoParts {
+    fn into_parts(self) -> (u16, Value, Option<u32>);
+}
+
+impl IntoParts for crate::Reply {
+    fn into_parts(self) -> (u16, Value, Option<u32>) {
+        (
+            self.status,
+            json::parse(&self.body).unwrap(),
+            self.retry_after,
+        )
+    }
+}
+
+/// A lost response is safe: the old cursor replays the same changes, the
+/// checkpoint moves only when a later pull presents the new cursor, and an
+/// older cursor never moves it back.
+async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "da-u", "da-c").await;
+    c.sync(10).await;
+    let scope = "user:da-u";
+    let c0 = c.cursor(scope);
+    let (n1, n2) = (pull_note(1), pull_note(2));
+    write_settled(
+        world,
+        &[
+            Write::Insert("public.notes", &note(&n1, "da-u", "one")),
+            Write::Insert("public.notes", &note(&n2, "da-u", "two")),
+        ],
+    )
+    .await;
+    let first = c.engine.pull("da-u", c.body(10), NOW).await;
+    assert_eq!(first.status, 200);
+    // The response is lost: the client pulls again with c0.
+    let again = c.engine.pull("da-u", c.body(10), NOW).await;
+    assert_eq!(again.status, 200);
+    let changes = |b: &[u8]| json::parse(b).unwrap().as_object().unwrap()["changes"].clone();
+    assert_eq!(
+        changes(&first.body),
+        changes(&again.body),
+        "the same changes again"
+    );
+    c.replica.apply(&again.body).unwrap();
+    let p0 = cursor_position(store, &c0).await;
+    assert_eq!(c.checkpoints().await[scope].position, p0, "c0 acknowledged");
+    let c1 = c.cursor(scope);
+    let p1 = cursor_position(store, &c1).await;
+    assert!(p1 > p0);
+    c.pull(10).await; // presents c1
+    assert_eq!(c.checkpoints().await[scope].position, p1, "c1 acknowledged");
+    // An older valid cursor replays, and the checkpoint stays.
+    let (s, v, _) = c.send(c.body_with(scope, Value::string(c0), 10)).await;
+    assert_eq!(s, 200);
+    assert_eq!(v.as_object().unwrap()["changes"], changes(&first.body));
+    assert_eq!(c.checkpoints().await[scope].position, p1, "never backward");
+}
+
+/// Dedup before the limit, effects of one event split across pages, and
+/// a busy scope that cannot hide another's older change.
+async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    world.grant("dm-u", "team:dm", true).await;
+    let mut c = PullClient::connect(store, engine, "dm-u", "dm-c").await;
+    c.sync(10).await;
+    let (n3, n4) = (pull_note(3), pull_note(4));
+    // One row changed three times: one change, its last state.
+    write_settled(
+        world,
+        &[Write::Insert("public.notes", &note(&n3, "dm-u", "a"))],
+    )
+    .await;
+    for t in ["b", "c"] {
+        write_settled(
+            world,
+            &[Write::Update(
+                "public.notes",
+                &[("id", &n3)],
+                &[("title", Some(t))],
+            )],
+        )
+        .await;
+    }
+    let a = c.pull(10).await;
+    assert_eq!(a.changes, 1, "deduplicated per (scope, table, key)");
+    assert!(!a.has_more);
+    // One source event with effects in two scopes (shared with the team),
+    // pulled at limit 1: split across pages, nothing lost.
+    write_settled(
+        world,
+        &[
+            Write::Insert("public.notes", &note(&n4, "dm-u", "shared")),
+            Write::Insert(
+                "public.note_shares",
+                &[("note_id", Some(&n4)), ("team_id", Some("dm"))],
+            ),
+        ],
+    )
+    .await;
+    let a = c.pull(1).await;
+    assert_eq!((a.changes, a.has_more), (1, true));
+    let b = c.pull(1).await;
+    assert_eq!(
+        (b.changes, b.has_more),
+        (1, false),
+        "terminal, and every checksum verified"
+    );
+    for s in ["user:dm-u", "team:dm"] {
+        assert!(
+            c.replica.scopes[s].rows.len() == if s == "team:dm" { 1 } else { 2 },
+            "{s}"
+        );
+    }
+    // Starvation-freedom: the team's older change comes before the user's
+    // five later ones, at limit 2.
+    let n5 = pull_note(5);
+    write_settled(
+        world,
+        &[Write::Update(
+            "public.notes",
+            &[("id", &n4)],
+            &[("title", Some("old"))],
+        )],
+    )
+    .await;
+    for i in 0..5 {
+        let title = format!("busy {i}");
+        write_settled(
+            world,
+            &[Write::Insert(
+                "public.notes",
+                &note(&pull_note(10 + i), "dm-u", &title),
+            )],
+        )
+        .await;
+    }
+    let r = c.engine.pull("dm-u", c.body(2), NOW).await;
+    let v = json::parse(&r.body).unwrap();
+    let first: Vec<&str> = match &v.as_object().unwrap()["changes"] {
+        Value::Array(a) => a
+            .iter()
+            .map(|c| c.as_object().unwrap()["scope"].as_str().unwrap())
+            .collect(),
+        _ => panic!(),
+    };
+    assert_eq!(first, ["team:dm", "user:dm-u"], "the least positions first");
+    c.replica.apply(&r.body).unwrap();
+    c.sync(2).await;
+    let _ = n5;
+}
+
+/// A row entering, leaving and living in several scopes, and a scope
+/// granted then revoked between pulls.
+async fn scope_movement<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "sm-u", "sm-c").await;
+    c.sync(10).await;
+    let v0 = c.replica.scope_set_version;
+    world.grant("sm-u", "team:sm", true).await;
+    let a = c.pull(10).await;
+    assert_eq!(a.rebuild, ["team:sm"], "a new scope rebuilds");
+    assert_eq!(c.replica.scope_set_version, v0 + 1);
+    c.sync(10).await;
+    // Unchanged set: the version stays.
+    c.pull(10).await;
+    assert_eq!(c.replica.scope_set_version, v0 + 1);
+    let n = pull_note(20);
+    write_settled(
+        world,
+        &[Write::Insert("public.notes", &note(&n, "sm-u", "x"))],
+    )
+    .await;
+    // Enters the team scope; lives in both.
+    write_settled(
+        world,
+        &[Write::Insert(
+            "public.note_shares",
+            &[("note_id", Some(&n)), ("team_id", Some("sm"))],
+        )],
+    )
+    .await;
+    c.sync(10).await;
+    assert_eq!(c.replica.scopes["team:sm"].rows.len(), 1);
+    assert_eq!(c.replica.scopes["user:sm-u"].rows.len(), 1);
+    // Leaves the team scope; stays in the user's.
+    write_settled(
+        world,
+        &[Write::Delete(
+            "public.note_shares",
+            &[("note_id", &n), ("team_id", "sm")],
+        )],
+    )
+    .await;
+    c.sync(10).await;
+    assert!(c.replica.scopes["team:sm"].rows.is_empty());
+    assert_eq!(c.replica.scopes["user:sm-u"].rows.len(), 1);
+    // Revoked: removed, with no change or cursor for it.
+    world.grant("sm-u", "team:sm", false).await;
+    let before = c.body(10);
+    let (s, v, _) = c.send(before.clone()).await;
+    assert_eq!(s, 200);
+    let o = v.as_object().unwrap();
+    assert_eq!(
+        o["scope_updates"].as_object().unwrap()["remove"],
+        Value::Array(vec![Value::string("team:sm")])
+    );
+    assert!(
+        !o["scope_cursors"]
+            .as_object()
+            .unwrap()
+            .contains_key("team:sm")
+    );
+    assert!(!o["checksums"].as_object().unwrap().contains_key("team:sm"));
+    // A removed scope may still be presented (it was assigned): removal again.
+    let (s, _, _) = c.send(before).await;
+    assert_eq!(s, 200);
+    c.pull(10).await;
+    assert!(!c.replica.scopes.contains_key("team:sm"));
+    assert_eq!(c.replica.scope_set_version, v0 + 2);
+}
+
+/// `capture_pending` while this client's push awaits capture, and its
+/// clearing; a failed pull writes no assignment or checkpoint.
+async fn capture_gates<W: CaptureWorld>(world: &W, engine: &Engine, feed: <W::S as Store>::Feed) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "cg-u", "cg-c").await;
+    c.sync(10).await;
+    let pusher = PushClient {
+        engine: engine.clone(),
+        user: "cg-u".into(),
+        client_id: "cg-c".into(),
+        generation: c.generation,
+        schema: c.replica_schema(),
+    };
+    let n = pull_note(30);
+    let m = note_mutation(
+        1,
+        &n,
+        &pusher.schema,
+        "insert",
+        None,
+        Some(super::push::note_columns("pushed")),
+    );
+    let (s, r, _) = pusher.push(&pusher.batch(9001, vec![m], false)).await;
+    assert_eq!(s, 200, "{r:?}");
+    assert!(super::push::outcome(&r, 1).0, "{r:?}");
+    world.grant("cg-u", "team:cg", true).await;
+    let before = c.checkpoints().await;
+    let (s, v, after) = c.send(c.body(10)).await;
+    assert_eq!((s, code(&v), after), (503, "capture_pending", Some(5)));
+    assert_eq!(c.checkpoints().await, before, "no checkpoint moved");
+    let mut tx = store.begin().await.unwrap();
+    let record = tx.lock_client("cg-c").await.unwrap().unwrap();
+    drop(tx);
+    assert_eq!(
+        record.scope_set_version, c.replica.scope_set_version,
+        "no assignment written"
+    );
+    // Capture resumes: the pull sees the pushed row.
+    drop(feed);
+    let mut ok = false;
+    for _ in 0..500 {
+        let (s, _, _) = c.send(c.body(10)).await;
+        if s == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(ok, "capture_pending cleared");
+    c.sync(10).await;
+    assert_eq!(c.replica.scopes["user:cg-u"].rows.len(), 1);
+    world.grant("cg-u", "team:cg", false).await;
+}
+
+/// Past the page permits, a valid pull answers 429 with Retry-After; an
+/// invalid one still gets its own error first.
+async fn admission<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "ad-u", "ad-c").await;
+    c.sync(10).await;
+    let held = engine.occupy_pull_pages().await;
+    let (s, v, after) = c.send(c.body(10)).await;
+    assert_eq!((s, code(&v), after), (429, "retry_later", Some(5)));
+    let b = edit(&c.body(10), |o| {
+        o.insert("limit".into(), Value::int(0));
+    });
+    assert_eq!(c.send(b).await.0, 400, "validation precedes admission");
+    drop(held);
+    assert_eq!(c.send(c.body(10)).await.0, 200);
+}

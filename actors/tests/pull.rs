@@ -1,0 +1,12 @@
+//! The pull suite on the in-memory store.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use actors::testkit::{MemWorld, example_mem_store, pull_suite};
+
+#[tokio::test]
+async fn pull_pages_cursors_and_checksums() {
+    pull_suite(&MemWorld {
+        store: example_mem_store(7).await,
+    })
+    .await;
+}

@@ -1,0 +1,453 @@
+//! Pull, judged from the client's side (wire spec "Pull", ADR 003).
+//!
+//! [`Replica`] is a client's local copy, applying each page exactly as the
+//! spec tells a client to: the whole response is checked before anything is
+//! applied (member presence, the checksum presence rule and key set, every
+//! `row_checksum` recomputed), then assignment updates, changes, rebuild
+//! dispatch and cursors are applied as one transition, and each terminal
+//! scope checksum is recomputed locally before its cursor is installed.
+//!
+//! The invariants over a run:
+//! - [`check_cursor`]: no cursor passes an undelivered effect: when a
+//!   cursor at P is installed, the client holds, for every row of the scope,
+//!   the state of its last effect at or before P, unless a later effect of
+//!   that row (still to come) covers it;
+//! - [`check_checkpoints`]: acknowledged checkpoints never move backward;
+//! - [`check_converged`]: after quiescence each assigned scope's local
+//!   rows equal the server's members, digest for digest.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use protocol::digest::{Digest, RowIdentity, ScopeDigest, row_digest};
+use protocol::ids::ServerVersion;
+use protocol::json::{self, Object, Value};
+use protocol::manifest::Manifest;
+use protocol::position::StreamPosition;
+use protocol::value;
+
+/// One row a client holds in one scope.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalRow {
+    pub table: String,
+    pub version: String,
+    /// The row digest, recomputed by the client.
+    pub digest: Digest,
+    /// A source tombstone (a delete that carried its row).
+    pub tombstone: bool,
+}
+
+/// One scope as a client holds it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalScope {
+    /// `None`: no usable incremental state (the scope needs a rebuild).
+    pub cursor: Option<String>,
+    /// By row-identity bytes: the scope digest's order.
+    pub rows: BTreeMap<Vec<u8>, LocalRow>,
+}
+
+/// A client's local copy of the scopes it was assigned.
+#[derive(Clone, Debug)]
+pub struct Replica {
+    manifest: Manifest,
+    pub scope_set_version: u64,
+    pub scopes: BTreeMap<String, LocalScope>,
+}
+
+/// What one applied page said.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub has_more: bool,
+    pub changes: usize,
+    /// Scopes the page sent to rebuild (new ones included).
+    pub rebuild: Vec<String>,
+    /// Scopes whose terminal checksum differed from the local copy.
+    pub mismatched: Vec<String>,
+    /// Scopes that received a new cursor.
+    pub cursors: Vec<String>,
+}
+
+fn members<'a>(v: &'a Value, what: &str) -> Result<&'a Object, String> {
+    v.as_object()
+        .ok_or_else(|| format!("{what} is not an object"))
+}
+
+fn member<'a>(o: &'a Object, name: &str) -> Result<&'a Value, String> {
+    o.get(name)
+        .ok_or_else(|| format!("member {name} is missing"))
+}
+
+fn string<'a>(o: &'a Object, name: &str) -> Result<&'a str, String> {
+    member(o, name)?
+        .as_str()
+        .ok_or_else(|| format!("member {name} is not a string"))
+}
+
+fn array<'a>(o: &'a Object, name: &str) -> Result<&'a [Value], String> {
+    match member(o, name)? {
+        Value::Array(a) => Ok(a),
+        _ => Err(format!("member {name} is not an array")),
+    }
+}
+
+impl Replica {
+    /// A client with nothing yet, under `manifest`.
+    pub fn new(manifest: Manifest) -> Replica {
+        Replica {
+            manifest,
+            scope_set_version: 0,
+            scopes: BTreeMap::new(),
+        }
+    }
+
+    /// The scope digest of the local copy of `scope`.
+    pub fn scope_digest(&self, scope: &str) -> Option<Digest> {
+        let s = self.scopes.get(scope)?;
+        let mut d = ScopeDigest::new(&self.manifest.hash(), scope, s.rows.len() as u64);
+        for (identity, row) in &s.rows {
+            d.push(&RowIdentity::from_bytes(identity.clone()), &row.digest);
+        }
+        d.finish().ok()
+    }
+
+    /// Applies a 200 connect body's assignment: the scope-set version, added
+    /// scopes (to rebuild) and removed ones.
+    pub fn connected(&mut self, body: &[u8]) -> Result<(), String> {
+        let v = json::parse(body).map_err(|_| "the connect body is not JSON".to_owned())?;
+        let o = members(&v, "the connect body")?;
+        self.scope_set_version = match member(o, "scope_set_version")? {
+            Value::Number(n) => n
+                .as_exact_i64()
+                .and_then(|i| u64::try_from(i).ok())
+                .ok_or("scope_set_version is not a counter")?,
+            _ => return Err("scope_set_version is not a number".into()),
+        };
+        let scopes = members(member(o, "scopes")?, "scopes")?;
+        for r in array(scopes, "remove")? {
+            self.scopes.remove(r.as_str().ok_or("a removed scope")?);
+        }
+        for a in array(scopes, "add")? {
+            let id = string(members(a, "an added scope")?, "id")?;
+            self.scopes.insert(id.to_owned(), LocalScope::default());
+        }
+        Ok(())
+    }
+
+    /// The pull request body for `limit`.
+    pub fn request(&self, client_id: &str, generation: u64, limit: u16) -> Vec<u8> {
+        let scopes = self.scopes.iter().map(|(s, l)| {
+            let cursor = l.cursor.as_ref().map_or(Value::Null, Value::string);
+            (s.clone(), json::object([("cursor", cursor)]))
+        });
+        let mut o = Object::new();
+        o.insert("client_id".into(), Value::string(client_id));
+        o.insert("client_generation".into(), Value::int(generation as i64));
+        o.insert("schema".into(), self.manifest.reference().to_json());
+        o.insert(
+            "scope_set_version".into(),
+            Value::int(self.scope_set_version as i64),
+        );
+        o.insert("scopes".into(), Value::Object(scopes.collect()));
+        o.insert("limit".into(), Value::int(i64::from(limit)));
+        json::to_canonical(&Value::Object(o))
+    }
+
+    /// Checks one 200 pull body completely, then applies it as one local
+    /// transition. An `Err` is a page no conforming server sends: nothing
+    /// was applied.
+    pub fn apply(&mut self, body: &[u8]) -> Result<Applied, String> {
+        let v = json::parse(body).map_err(|_| "the page is not JSON".to_owned())?;
+        let o = members(&v, "the page")?;
+        let has_more = match member(o, "has_more")? {
+            Value::Bool(b) => *b,
+            _ => return Err("has_more is not a boolean".into()),
+        };
+        let allowed: BTreeSet<&str> = [
+            "changes",
+            "scope_set_version",
+            "scope_cursors",
+            "scope_updates",
+            "rebuild",
+            "has_more",
+        ]
+        .into_iter()
+        .chain((!has_more).then_some("checksums"))
+        .collect();
+        for k in o.keys() {
+            if !allowed.contains(k.as_str()) {
+                return Err(format!("member {k} is not allowed here"));
+            }
+        }
+        let version = match member(o, "scope_set_version")? {
+            Value::Number(n) => n
+                .as_exact_i64()
+                .and_then(|i| u64::try_from(i).ok())
+                .ok_or("scope_set_version is not a counter")?,
+            _ => return Err("scope_set_version is not a number".into()),
+        };
+        let mut next = self.clone();
+        next.scope_set_version = version;
+        // Assignment updates first: they decide the active set.
+        let updates = members(member(o, "scope_updates")?, "scope_updates")?;
+        let mut removed = BTreeSet::new();
+        for r in array(updates, "remove")? {
+            let s = r.as_str().ok_or("a removed scope is not a string")?;
+            next.scopes.remove(s);
+            removed.insert(s.to_owned());
+        }
+        let mut added = BTreeSet::new();
+        for a in array(updates, "add")? {
+            let a = members(a, "an added scope")?;
+            if member(a, "cursor")? != &Value::Null {
+                return Err("an added scope carries a cursor".into());
+            }
+            let s = string(a, "id")?;
+            next.scopes.insert(s.to_owned(), LocalScope::default());
+            added.insert(s.to_owned());
+        }
+        if version != self.scope_set_version && added.is_empty() && removed.is_empty() {
+            return Err("scope_set_version changed with no update".into());
+        }
+        if version == self.scope_set_version && !(added.is_empty() && removed.is_empty()) {
+            return Err("the assignment changed but scope_set_version did not".into());
+        }
+        let mut rebuild = Vec::new();
+        for r in array(o, "rebuild")? {
+            let s = r.as_str().ok_or("a rebuild scope is not a string")?;
+            let local = next
+                .scopes
+                .get_mut(s)
+                .ok_or_else(|| format!("rebuild names {s}, not active"))?;
+            local.cursor = None;
+            rebuild.push(s.to_owned());
+        }
+        for a in &added {
+            if !rebuild.contains(a) {
+                return Err(format!("added scope {a} is not in rebuild"));
+            }
+        }
+        let changes = array(o, "changes")?;
+        for c in changes {
+            next.apply_change(c, &removed)?;
+        }
+        let cursors = members(member(o, "scope_cursors")?, "scope_cursors")?;
+        let mut issued = Vec::new();
+        for (s, token) in cursors {
+            if rebuild.contains(s) || removed.contains(s) {
+                return Err(format!("{s} got a cursor it must not get"));
+            }
+            let token = token.as_str().ok_or("a cursor is not a string")?;
+            let local = next
+                .scopes
+                .get_mut(s)
+                .ok_or_else(|| format!("a cursor for {s}, not active"))?;
+            local.cursor = Some(token.to_owned());
+            issued.push(s.clone());
+        }
+        let mut mismatched = Vec::new();
+        if !has_more {
+            let sums = members(member(o, "checksums")?, "checksums")?;
+            let keys: BTreeSet<&String> = sums.keys().collect();
+            let active: BTreeSet<&String> = next.scopes.keys().collect();
+            if keys != active {
+                return Err("the checksum key set is not the active set".into());
+            }
+            for (s, sum) in sums {
+                let want = Digest::from_checksum_json(sum).ok_or("a malformed checksum")?;
+                if rebuild.contains(s) {
+                    continue; // rebuild takes precedence
+                }
+                if next.scope_digest(s) != Some(want) {
+                    // Only that scope's resumable state is lost.
+                    if let Some(l) = next.scopes.get_mut(s) {
+                        l.cursor = None;
+                    }
+                    mismatched.push(s.clone());
+                }
+            }
+        }
+        *self = next;
+        Ok(Applied {
+            has_more,
+            changes: changes.len(),
+            rebuild,
+            mismatched,
+            cursors: issued,
+        })
+    }
+
+    /// One change: its row checksum verified before it is applied.
+    fn apply_change(&mut self, c: &Value, removed: &BTreeSet<String>) -> Result<(), String> {
+        let c = members(c, "a change")?;
+        let scope = string(c, "scope")?;
+        if removed.contains(scope) {
+            return Err(format!("a change for removed scope {scope}"));
+        }
+        let table_id = string(c, "table")?;
+        let table = self
+            .manifest
+            .table(table_id)
+            .ok_or_else(|| format!("a change of unknown table {table_id}"))?;
+        let pk = members(member(c, "pk")?, "pk")?;
+        let pk_field = table.primary_key();
+        if pk.len() != 1 {
+            return Err("pk is not one field".into());
+        }
+        let pk_value = member(pk, pk_field.field_id())?;
+        let key = value::decode(pk_field.field_type(), pk_value)
+            .ok()
+            .flatten()
+            .ok_or("pk does not fit its type")?;
+        let identity = RowIdentity::of(table, &key);
+        let version = string(c, "server_version")?;
+        let server_version = ServerVersion::parse(version).ok_or("a malformed server_version")?;
+        let op = string(c, "op")?;
+        let row = c.get("row");
+        let checked = |row: &Value| -> Result<Digest, String> {
+            let decoded = table
+                .decode_row(members(row, "row")?)
+                .map_err(|e| format!("the row does not fit its table: {e:?}"))?;
+            if table.row_key(&decoded) != Some(&key) {
+                return Err("the row's key is not pk".into());
+            }
+            let d = row_digest(
+                &self.manifest.hash(),
+                table,
+                &identity,
+                &decoded,
+                &server_version,
+            );
+            let sent = Digest::from_checksum_json(member(c, "row_checksum")?)
+                .ok_or("a malformed row_checksum")?;
+            if sent != d {
+                return Err(format!("row_checksum of a {table_id} row does not verify"));
+            }
+            Ok(d)
+        };
+        let local = self
+            .scopes
+            .get_mut(scope)
+            .ok_or_else(|| format!("a change for {scope}, not active"))?;
+        let held = |digest, tombstone| LocalRow {
+            table: table_id.to_owned(),
+            version: version.to_owned(),
+            digest,
+            tombstone,
+        };
+        match (op, row) {
+            ("upsert", Some(row)) => {
+                let d = checked(row)?;
+                local
+                    .rows
+                    .insert(identity.as_bytes().to_vec(), held(d, false));
+            }
+            ("delete", Some(row)) => {
+                let d = checked(row)?;
+                local
+                    .rows
+                    .insert(identity.as_bytes().to_vec(), held(d, true));
+            }
+            ("delete", None) => {
+                if c.contains_key("row_checksum") {
+                    return Err("a delete without row carries a checksum".into());
+                }
+                local.rows.remove(identity.as_bytes());
+            }
+            _ => return Err(format!("op {op} with this shape is not a pull change")),
+        }
+        Ok(())
+    }
+}
+
+/// One effect of a scope as the server recorded it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EffectView {
+    pub identity: Vec<u8>,
+    pub position: StreamPosition,
+    pub version: String,
+    /// A delete without a row: the client holds nothing for the row.
+    pub removes: bool,
+    /// A delete with its tombstone row.
+    pub tombstone: bool,
+}
+
+/// No cursor passes an undelivered effect: after installing a cursor at
+/// `cursor` for a scope whose recorded effects are `effects` (in position
+/// order, every one since the stream began), the client's rows hold, for
+/// each row identity, its last effect at or before the cursor, unless a
+/// later effect of the row comes after the cursor.
+pub fn check_cursor(
+    scope: &str,
+    effects: &[EffectView],
+    cursor: StreamPosition,
+    rows: &BTreeMap<Vec<u8>, LocalRow>,
+) -> Result<(), String> {
+    let mut last: BTreeMap<&[u8], &EffectView> = BTreeMap::new();
+    let mut later: BTreeSet<&[u8]> = BTreeSet::new();
+    for e in effects {
+        if e.position <= cursor {
+            last.insert(&e.identity, e);
+        } else {
+            later.insert(&e.identity);
+        }
+    }
+    for (identity, e) in last {
+        if later.contains(identity) {
+            continue; // covered by a candidate still to come
+        }
+        let held = rows.get(identity);
+        let ok = match held {
+            None => e.removes,
+            Some(r) => !e.removes && r.version == e.version && r.tombstone == e.tombstone,
+        };
+        if !ok {
+            return Err(format!(
+                "{scope}: a cursor at {cursor:?} passed the effect at {:?} (version {}), the client holds {:?}",
+                e.position,
+                e.version,
+                held.map(|r| &r.version)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checkpoints never move backward: `history` is every checkpoint read,
+/// per (client, scope), in the order read.
+pub fn check_checkpoints(
+    history: &BTreeMap<(String, String), Vec<(u64, StreamPosition)>>,
+) -> Result<(), String> {
+    for ((client, scope), seen) in history {
+        for w in seen.windows(2) {
+            let ((g0, p0), (g1, p1)) = (w[0], w[1]);
+            if g1 < g0 || (g1 == g0 && p1 < p0) {
+                return Err(format!(
+                    "{client} {scope}: a checkpoint moved back from {p0:?} to {p1:?}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After quiescence: the client's copy of `scope` is the server's members
+/// (row identity and digest), exactly.
+pub fn check_converged(
+    client: &str,
+    scope: &str,
+    local: &BTreeMap<Vec<u8>, LocalRow>,
+    server: &[(Vec<u8>, Digest)],
+) -> Result<(), String> {
+    let mine: Vec<(&[u8], &Digest)> = local
+        .iter()
+        .map(|(i, r)| (i.as_slice(), &r.digest))
+        .collect();
+    let theirs: Vec<(&[u8], &Digest)> = server.iter().map(|(i, d)| (i.as_slice(), d)).collect();
+    if mine != theirs {
+        return Err(format!(
+            "{client} {scope}: the local copy ({} rows) is not the server's ({} rows)",
+            mine.len(),
+            theirs.len()
+        ));
+    }
+    Ok(())
+}
