@@ -256,8 +256,13 @@ pub async fn pull_suite<W: CaptureWorld>(world: &W) {
     let store = world.store().clone();
     // Capture's leadership, held so that nothing materializes until
     // `capture_gates` lets go.
+    let config = push_config();
+    store
+        .install_capture(&crate::capture::CapturePlan::new(&config))
+        .await
+        .unwrap();
     let feed = store.change_feed().await.unwrap().unwrap();
-    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    let engine = Engine::start(store.clone(), config).await.unwrap();
     capture_gates(world, &engine, feed).await;
     request_errors(world, &engine).await;
     stale_and_forged(world, &engine).await;
