@@ -323,6 +323,107 @@ async fn http_against_postgres() {
         (400, "invalid_request")
     );
 
+    // Pull over HTTP: a fresh client's scopes rebuild first (the origin
+    // cursor stands in for rebuild, issue 12); then the page carries the
+    // pushed row, which the replica verifies with every terminal checksum.
+    let manifest = {
+        use actors::store::{Store, StoreTx};
+        let mut tx = h.store.begin().await.unwrap();
+        tx.manifests().await.unwrap().pop().unwrap()
+    };
+    let mut replica = invariants::pull::Replica::new(manifest);
+    replica.connected(&json::to_canonical(&connect)).unwrap();
+    let generation = actors::testkit::int_member(&connect, "client_generation");
+    // Right after the push, until capture has the write: 503 capture_pending.
+    let mut page = Vec::new();
+    for _ in 0..500 {
+        let (status, _, b) = request(
+            addr,
+            "POST",
+            "/sync/pull",
+            &headers,
+            replica.request("client-9b2e", generation, 100),
+        )
+        .await;
+        page = b;
+        if status != 503 {
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let applied = replica.apply(&page).unwrap();
+    assert_eq!(
+        applied.rebuild.len(),
+        replica.scopes.len(),
+        "every scope starts with a rebuild"
+    );
+    let scopes: Vec<String> = replica.scopes.keys().cloned().collect();
+    for s in &scopes {
+        let cursor =
+            actors::testkit::origin_cursor(&h.store, "user-7f3a", "client-9b2e", generation, s)
+                .await;
+        replica.scopes.get_mut(s).unwrap().cursor = Some(cursor);
+    }
+    let mut pulled = None;
+    for _ in 0..500 {
+        let (status, response_headers, page) = request(
+            addr,
+            "POST",
+            "/sync/pull",
+            &headers,
+            replica.request("client-9b2e", generation, 100),
+        )
+        .await;
+        if status == 503 {
+            assert_eq!(error_code(&page).0, "capture_pending");
+            assert_eq!(response_headers.get("retry-after").unwrap(), "5");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            continue;
+        }
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+        pulled = Some(replica.apply(&page).unwrap());
+        break;
+    }
+    let pulled = pulled.expect("capture_pending cleared");
+    assert_eq!((pulled.changes, pulled.has_more), (1, false));
+    assert!(
+        pulled.mismatched.is_empty(),
+        "every terminal checksum verifies"
+    );
+    assert_eq!(replica.scopes["user:user-7f3a"].rows.len(), 1);
+    let forged = {
+        let mut v = json::parse(&replica.request("client-9b2e", generation, 100)).unwrap();
+        if let Value::Object(o) = &mut v
+            && let Some(Value::Object(scopes)) = o.get_mut("scopes")
+        {
+            scopes.insert(
+                "user:user-7f3a".into(),
+                json::object([("cursor", Value::string("ic1.e30.AAAA"))]),
+            );
+        }
+        json::to_canonical(&v)
+    };
+    let (status, _, b) = request(addr, "POST", "/sync/pull", &headers, forged).await;
+    assert_eq!(
+        (status, error_code(&b).0.as_str()),
+        (400, "invalid_request")
+    );
+    let other = format!("Bearer {}", h.token("user-other"));
+    let other_headers = [
+        ("authorization", other.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let (status, _, b) = request(
+        addr,
+        "POST",
+        "/sync/pull",
+        &other_headers,
+        replica.request("client-9b2e", generation, 100),
+    )
+    .await;
+    assert_eq!((status, error_code(&b).0.as_str()), (401, "auth_required"));
+
     // Operator routes. Readiness also needs capture running (it starts
     // with the engine), so it may take a moment to turn true.
     let mut ready = request(addr, "GET", "/ready", &[], vec![]).await;

@@ -166,6 +166,11 @@ impl ConnectBody {
     }
 }
 
+/// The integer member `name` of a response object.
+pub fn int_member(v: &Value, name: &str) -> u64 {
+    int(&v.as_object().unwrap()[name])
+}
+
 fn int(v: &Value) -> u64 {
     match v {
         Value::Number(n) => n.as_exact_i64().unwrap() as u64,
