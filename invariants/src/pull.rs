@@ -132,6 +132,18 @@ impl Replica {
         Ok(())
     }
 
+    /// The row identity bytes of a change (its table and typed key), if it names one.
+    pub fn identity_of(&self, change: &Value) -> Option<Vec<u8>> {
+        let c = change.as_object()?;
+        let table = self.manifest.table(c.get("table")?.as_str()?)?;
+        let pk = c.get("pk")?.as_object()?;
+        let field = table.primary_key();
+        let key = value::decode(field.field_type(), pk.get(field.field_id())?)
+            .ok()
+            .flatten()?;
+        Some(RowIdentity::of(table, &key).as_bytes().to_vec())
+    }
+
     /// The pull request body for `limit`.
     pub fn request(&self, client_id: &str, generation: u64, limit: u16) -> Vec<u8> {
         let scopes = self.scopes.iter().map(|(s, l)| {
@@ -204,8 +216,10 @@ impl Replica {
             next.scopes.insert(s.to_owned(), LocalScope::default());
             added.insert(s.to_owned());
         }
-        if version != self.scope_set_version && added.is_empty() && removed.is_empty() {
-            return Err("scope_set_version changed with no update".into());
+        // A lost response can hide steps (a scope removed, then granted
+        // again), so a newer version may come with no update; never an older.
+        if version < self.scope_set_version {
+            return Err("scope_set_version moved back".into());
         }
         if version == self.scope_set_version && !(added.is_empty() && removed.is_empty()) {
             return Err("the assignment changed but scope_set_version did not".into());

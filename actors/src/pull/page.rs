@@ -236,8 +236,7 @@ mod tests {
                     .effects
                     .iter()
                     .map(Effect::position)
-                    .filter(|p| *p < c.next)
-                    .last();
+                    .rfind(|p| *p < c.next);
                 if let Some(p) = c.cursor(before) {
                     cursors.insert(r.scope.clone(), p);
                 }

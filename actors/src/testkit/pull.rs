@@ -374,16 +374,14 @@ async fn stale_and_forged<W: CaptureWorld>(world: &W, engine: &Engine) {
     let now = cursor_bindings(store, "sf-u", "sf-c", c.generation, scope, at).await;
     let acked = c.checkpoints().await.get(scope).copied();
     // Stale: each lineage the cursor binds.
-    let stale: [(&str, Box<dyn Fn(&mut CursorBindings)>); 4] = [
-        ("stream", Box::new(|b| b.scope.stream_generation -= 1)),
-        ("schema", Box::new(|b| b.scope.schema_hash.0[0] ^= 1)),
-        (
-            "membership",
-            Box::new(|b| b.scope.membership_generation += 1),
-        ),
-        ("retention", Box::new(|b| b.scope.retention_generation -= 1)),
+    type Edit = fn(&mut CursorBindings);
+    let stale: [(&str, Edit); 4] = [
+        ("stream", |b| b.scope.stream_generation -= 1),
+        ("schema", |b| b.scope.schema_hash.0[0] ^= 1),
+        ("membership", |b| b.scope.membership_generation += 1),
+        ("retention", |b| b.scope.retention_generation -= 1),
     ];
-    for (what, f) in &stale {
+    for (what, f) in stale {
         let mut b = now.clone();
         f(&mut b);
         let token = mint_cursor(store, &b).await;

@@ -1,0 +1,703 @@
+//! Pull under faults: clients pull over a lossy link (lost requests and
+//! lost responses, each retried with the identical bytes), push now and
+//! then (so `capture_pending` happens), while the server crashes and
+//! restarts and the application writes, moves, shares, soft-deletes and
+//! deletes rows on the database node, and an operator grants and revokes
+//! team scopes. Each client applies every page to an
+//! `invariants::pull::Replica`, exactly as the spec tells a client to.
+//!
+//! Judged by `invariants::pull`: every page is one a conforming server may
+//! send; no installed cursor passes an undelivered effect; checkpoints
+//! never move backward; after quiescence every client's copy of every
+//! assigned scope is the server's, digest for digest.
+//!
+//! A [`Mutant`] tampers with what a client receives, as a server bug would
+//! send it; the same checks must then fail.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actors::capture::{EffectOp, SourceImage};
+use actors::store::{MemStore, Store, StoreTx};
+use actors::testkit::{
+    ConnectBody, cursor_bindings, cursor_position, mint_cursor, note_columns, note_mutation,
+    origin_cursor, push_config,
+};
+use invariants::pull::{EffectView, Replica};
+use madsim::net::{Endpoint, NetSim};
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use madsim::time::sleep;
+use protocol::ids::ScopeId;
+use protocol::json::{self, Value};
+use protocol::position::StreamPosition;
+
+use crate::{
+    MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros, remote,
+};
+
+const CONNECT: u8 = 0;
+const PUSH: u8 = 1;
+const PULL: u8 = 2;
+/// Notes the application writes (shared by every user: they move between owners).
+const POOL: usize = 10;
+const TEAMS: usize = 2;
+
+/// A server bug planted in what clients receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mutant {
+    /// One page loses one of its changes.
+    DropChange,
+    /// One cursor is issued one effect past where it may stand.
+    CursorTooFar,
+}
+
+/// Knobs of one pull run.
+#[derive(Clone, Debug)]
+pub struct PullScenario {
+    pub clients: usize,
+    pub users: usize,
+    pub pulls_per_client: usize,
+    pub packet_loss: f64,
+    pub server_crashes: usize,
+    pub mutant: Option<Mutant>,
+}
+
+impl Default for PullScenario {
+    fn default() -> Self {
+        PullScenario {
+            clients: 4,
+            users: 3,
+            pulls_per_client: 12,
+            packet_loss: 0.03,
+            server_crashes: 3,
+            mutant: None,
+        }
+    }
+}
+
+/// What a pull run recorded.
+#[derive(Clone, Debug, Default)]
+pub struct PullTrace {
+    /// Violations of `invariants::pull`, and problems the harness saw.
+    pub violations: Vec<String>,
+    pub pages: usize,
+    pub changes: usize,
+    pub retries: usize,
+    pub capture_pending: usize,
+    pub unavailable: usize,
+    pub crashes: usize,
+    /// Whether the planted mutant fired.
+    pub mutated: bool,
+    /// Every checkpoint read, per (client, scope), in order.
+    pub checkpoints: BTreeMap<(String, String), Vec<(u64, StreamPosition)>>,
+}
+
+fn note_key(k: usize) -> String {
+    format!("00000000-0000-4000-8000-{:012x}", 0x5000 + k)
+}
+
+/// The server node: the real engine; the first body byte names the endpoint.
+async fn server_main() {
+    crate::serve_engine(|engine, user, body| async move {
+        match body.split_first() {
+            Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
+            Some((&PUSH, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
+            Some((_, body)) => engine.pull(&user, body.to_vec(), now_micros()).await,
+            None => engine.pull(&user, Vec::new(), now_micros()).await,
+        }
+    })
+    .await;
+}
+
+/// One client's link: sends the identical bytes until an answer comes.
+struct Link {
+    ep: Endpoint,
+    server: SocketAddr,
+    next_id: u64,
+    buf: Vec<u8>,
+}
+
+impl Link {
+    async fn call(
+        &mut self,
+        user: &str,
+        kind: u8,
+        body: &[u8],
+        trace: &Mutex<PullTrace>,
+    ) -> (u16, Vec<u8>) {
+        let mut framed = vec![kind];
+        framed.extend_from_slice(body);
+        loop {
+            self.next_id += 1;
+            let id = self.next_id;
+            let _ = self
+                .ep
+                .send_to(self.server, REQUEST, &encode_request(id, user, &framed))
+                .await;
+            let deadline = sleep(Duration::from_millis(800));
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    _ = &mut deadline => break,
+                    got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
+                        let Ok((n, _)) = got else { continue };
+                        if let Some((rid, status, b)) = decode_response(&self.buf[..n])
+                            && rid == id
+                        {
+                            return (status, b);
+                        }
+                    }
+                }
+            }
+            trace.lock().expect("trace").retries += 1;
+        }
+    }
+}
+
+/// One client as the run follows it.
+pub struct Client {
+    user: String,
+    client_id: String,
+    generation: u64,
+    replica: Replica,
+    link: Link,
+    mutant: Option<Mutant>,
+}
+
+impl Client {
+    fn note(&self, trace: &Mutex<PullTrace>, v: String) {
+        trace.lock().expect("trace").violations.push(v);
+    }
+
+    /// Installs the rebuild stand-in on every scope that needs a rebuild.
+    async fn rebuild(&mut self, store: &MemStore) {
+        for (scope, local) in &mut self.replica.scopes {
+            if local.cursor.is_none() {
+                local.rows.clear();
+                local.cursor = Some(
+                    origin_cursor(store, &self.user, &self.client_id, self.generation, scope).await,
+                );
+            }
+        }
+    }
+
+    /// One pull, retried until a page comes; the page applied and judged.
+    /// `Some(terminal)` when a page was applied.
+    async fn pull(&mut self, store: &MemStore, trace: &Mutex<PullTrace>) -> Option<bool> {
+        self.rebuild(store).await;
+        let limit = thread_rng().gen_range(1..=6);
+        let body = self
+            .replica
+            .request(&self.client_id, self.generation, limit);
+        let mut page = loop {
+            let (status, page) = self.link.call(&self.user, PULL, &body, trace).await;
+            match status {
+                200 => break page,
+                503 => {
+                    let mut t = trace.lock().expect("trace");
+                    if page.windows(15).any(|w| w == b"capture_pending") {
+                        t.capture_pending += 1;
+                    } else {
+                        t.unavailable += 1;
+                    }
+                }
+                429 => {}
+                s => {
+                    self.note(
+                        trace,
+                        format!(
+                            "{}: pull answered {s}: {}",
+                            self.client_id,
+                            String::from_utf8_lossy(&page)
+                        ),
+                    );
+                    return None;
+                }
+            }
+            // As Retry-After says (the adapter sends 5 seconds), with jitter.
+            sleep(Duration::from_millis(thread_rng().gen_range(4_000..6_000))).await;
+        };
+        if let Some(m) = self.mutant
+            && let Some(mutated) = mutate(m, &page, self, store).await
+        {
+            page = mutated;
+            self.mutant = None;
+            trace.lock().expect("trace").mutated = true;
+        }
+        let applied = match self.replica.apply(&page) {
+            Ok(a) => a,
+            Err(e) => {
+                self.note(
+                    trace,
+                    format!("{}: a page no server may send: {e}", self.client_id),
+                );
+                return None;
+            }
+        };
+        {
+            let mut t = trace.lock().expect("trace");
+            t.pages += 1;
+            t.changes += applied.changes;
+        }
+        for s in &applied.mismatched {
+            self.note(
+                trace,
+                format!(
+                    "{}: the terminal checksum of {s} differs from the local copy",
+                    self.client_id
+                ),
+            );
+        }
+        for s in &applied.cursors {
+            if let Err(v) = check_installed(store, s, &self.replica).await {
+                self.note(trace, format!("{}: {v}", self.client_id));
+            }
+        }
+        let mut tx = store.begin().await.expect("begin");
+        let checkpoints = tx.checkpoints(&self.client_id).await.expect("checkpoints");
+        drop(tx);
+        let mut t = trace.lock().expect("trace");
+        for (scope, c) in checkpoints {
+            t.checkpoints
+                .entry((self.client_id.clone(), scope.as_str().to_owned()))
+                .or_default()
+                .push((c.stream_generation, c.position));
+        }
+        Some(!applied.has_more && applied.rebuild.is_empty())
+    }
+}
+
+/// The scope's effects since the stream began, as the checker sees them.
+async fn effects_of(store: &MemStore, scope: &str) -> Vec<EffectView> {
+    let scope = ScopeId::parse(scope).expect("scope");
+    let mut tx = store.begin().await.expect("begin");
+    let b = tx.capture_progress().await.expect("progress").boundary;
+    let effects = tx
+        .scope_effects(&scope, StreamPosition::GenerationStart, b)
+        .await
+        .expect("effects");
+    effects
+        .into_iter()
+        .map(|e| EffectView {
+            identity: e.identity.as_bytes().to_vec(),
+            position: e.position(),
+            version: e.op.version().as_str().to_owned(),
+            removes: matches!(e.op, EffectOp::Remove(_)),
+            tombstone: matches!(e.op, EffectOp::Tombstone(_)),
+        })
+        .collect()
+}
+
+/// `invariants::pull::check_cursor` for the cursor just installed on `scope`.
+async fn check_installed(store: &MemStore, scope: &str, replica: &Replica) -> Result<(), String> {
+    let local = &replica.scopes[scope];
+    let Some(cursor) = &local.cursor else {
+        return Ok(());
+    };
+    let at = cursor_position(store, cursor).await;
+    invariants::pull::check_cursor(scope, &effects_of(store, scope).await, at, &local.rows)
+}
+
+/// Whether holding `held` differs from the state `e` leaves.
+fn differs(held: Option<&invariants::pull::LocalRow>, e: &EffectView) -> bool {
+    match held {
+        None => !e.removes,
+        Some(r) => e.removes || r.version != e.version || r.tombstone != e.tombstone,
+    }
+}
+
+/// `e` is its row's last effect so far: nothing will cover it.
+fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
+    !effects
+        .iter()
+        .any(|l| l.identity == e.identity && l.position > e.position)
+}
+
+/// The page as the planted bug would have sent it, if it applies here: the
+/// bug must lose something the client would notice (a change that moves its
+/// state and that no later effect replaces), or it did no harm.
+async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<Vec<u8>> {
+    let mut v = json::parse(page).ok()?;
+    let o = match &mut v {
+        Value::Object(o) => o,
+        _ => return None,
+    };
+    match m {
+        Mutant::DropChange => {
+            let Some(Value::Array(changes)) = o.get_mut("changes") else {
+                return None;
+            };
+            let mut victim = None;
+            for (i, change) in changes.iter().enumerate() {
+                let ch = change.as_object()?;
+                let scope = ch.get("scope")?.as_str()?;
+                let version = ch.get("server_version")?.as_str()?;
+                let identity = c.replica.identity_of(change)?;
+                let effects = effects_of(store, scope).await;
+                let Some(e) = effects.iter().rev().find(|e| e.identity == identity) else {
+                    continue;
+                };
+                let held = c.replica.scopes.get(scope)?.rows.get(&identity);
+                if e.version == version && differs(held, e) {
+                    victim = Some(i);
+                    break;
+                }
+            }
+            changes.remove(victim?);
+        }
+        Mutant::CursorTooFar => {
+            let Some(Value::Object(cursors)) = o.get_mut("scope_cursors") else {
+                return None;
+            };
+            let mut replaced = None;
+            for (scope, token) in cursors.iter() {
+                let at = cursor_position(store, token.as_str()?).await;
+                let effects = effects_of(store, scope).await;
+                let Some(rows) = c.replica.scopes.get(scope).map(|s| &s.rows) else {
+                    continue;
+                };
+                let next = effects.iter().find(|e| {
+                    e.position > at && is_last(&effects, e) && differs(rows.get(&e.identity), e)
+                });
+                if let Some(next) = next {
+                    let b = cursor_bindings(
+                        store,
+                        &c.user,
+                        &c.client_id,
+                        c.generation,
+                        scope,
+                        next.position,
+                    )
+                    .await;
+                    replaced = Some((scope.clone(), mint_cursor(store, &b).await));
+                    break;
+                }
+            }
+            let (scope, token) = replaced?;
+            cursors.insert(scope, Value::string(token));
+        }
+    }
+    Some(json::to_canonical(&v))
+}
+
+/// A client: connect, then pulls (and now and then a push) with pauses.
+async fn client_main(
+    index: usize,
+    user: String,
+    pulls: usize,
+    store: MemStore,
+    mutant: Option<Mutant>,
+    trace: Arc<Mutex<PullTrace>>,
+) -> Client {
+    let mut link = Link {
+        ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
+        server: SERVER.parse().expect("address"),
+        next_id: (index as u64) << 40,
+        buf: vec![0u8; MAX_FRAME],
+    };
+    let client_id = format!("pull-client-{index}");
+    let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
+    let (generation, body) = loop {
+        let (status, body) = link.call(&user, CONNECT, &connect, &trace).await;
+        if status == 200 {
+            let v = json::parse(&body).expect("json");
+            let g = match &v.as_object().expect("object")["client_generation"] {
+                Value::Number(n) => n.as_exact_i64().expect("generation") as u64,
+                _ => panic!("no generation"),
+            };
+            break (g, body);
+        }
+        sleep(Duration::from_millis(200)).await;
+    };
+    let mut tx = store.begin().await.expect("begin");
+    let manifest = tx
+        .manifests()
+        .await
+        .expect("manifests")
+        .pop()
+        .expect("manifest");
+    drop(tx);
+    let schema = manifest.reference().to_json();
+    let mut replica = Replica::new(manifest);
+    replica.connected(&body).expect("a connect body");
+    let mut c = Client {
+        user,
+        client_id,
+        generation,
+        replica,
+        link,
+        mutant,
+    };
+    for p in 0..pulls {
+        if thread_rng().gen_bool(0.1) {
+            push_one(&mut c, &schema, index, p, &trace).await;
+        }
+        c.pull(&store, &trace).await;
+        sleep(Duration::from_millis(thread_rng().gen_range(10..200))).await;
+    }
+    c
+}
+
+/// A sealed batch of one new note, retried until a terminal answer.
+async fn push_one(
+    c: &mut Client,
+    schema: &Value,
+    index: usize,
+    p: usize,
+    trace: &Mutex<PullTrace>,
+) {
+    let id = format!("00000000-0000-4000-9000-{:06x}{:06x}", index, p);
+    let m = note_mutation(
+        1 + p as u64,
+        &id,
+        schema,
+        "insert",
+        None,
+        Some(note_columns("pushed")),
+    );
+    let body = json::to_canonical(&json::object([
+        ("client_id", Value::string(&c.client_id)),
+        ("client_generation", Value::int(c.generation as i64)),
+        (
+            "batch_id",
+            Value::string(format!("50000000-0000-4000-8000-{:06x}{:06x}", index, p)),
+        ),
+        ("schema", schema.clone()),
+        ("mutations", Value::Array(vec![m])),
+    ]));
+    for _ in 0..200 {
+        let (status, _) = c.link.call(&c.user, PUSH, &body, trace).await;
+        if status != 503 {
+            return;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The application on the database node: writes, moves, shares, deletes.
+async fn application(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
+    let image = |pairs: &[(&str, Option<String>)]| -> SourceImage {
+        pairs
+            .iter()
+            .map(|(c, v)| ((*c).to_owned(), v.clone()))
+            .collect()
+    };
+    let mut n = 0;
+    while !stop.load(Ordering::Relaxed) {
+        sleep(Duration::from_millis(thread_rng().gen_range(100..400))).await;
+        n += 1;
+        let mut rng = thread_rng();
+        let id = note_key(rng.gen_range(0..POOL));
+        let owner = format!("user-{}", rng.gen_range(0..users));
+        let key = image(&[("id", Some(id.clone()))]);
+        let mut tx = store.begin().await.expect("begin");
+        let exists = tx.source_row("public.notes", &key).is_some();
+        let r = if !exists {
+            tx.source_insert(
+                "public.notes",
+                image(&[
+                    ("id", Some(id.clone())),
+                    ("owner_id", Some(owner)),
+                    ("title", Some(format!("t{n}"))),
+                    ("body", None),
+                    ("pinned", Some("f".into())),
+                    ("updated_at", Some("2026-07-18 14:00:01+00".into())),
+                    ("deleted_at", None),
+                ]),
+            )
+            .map(|_| ())
+        } else {
+            match rng.gen_range(0..10) {
+                0..=2 => tx
+                    .source_update(
+                        "public.notes",
+                        &key,
+                        image(&[("title", Some(format!("t{n}")))]),
+                    )
+                    .map(|_| ()),
+                // Moves to another owner: leaves one user scope, enters another.
+                3 | 4 => tx
+                    .source_update("public.notes", &key, image(&[("owner_id", Some(owner))]))
+                    .map(|_| ()),
+                5 | 6 => {
+                    let team = format!("t{}", rng.gen_range(0..TEAMS));
+                    let share = image(&[("note_id", Some(id.clone())), ("team_id", Some(team))]);
+                    if tx.source_row("public.note_shares", &share).is_some() {
+                        tx.source_delete("public.note_shares", &share).map(|_| ())
+                    } else {
+                        tx.source_insert("public.note_shares", share).map(|_| ())
+                    }
+                }
+                7 => {
+                    let deleted = rng
+                        .gen_bool(0.7)
+                        .then(|| "2026-07-18 14:00:02+00".to_owned());
+                    tx.source_update("public.notes", &key, image(&[("deleted_at", deleted)]))
+                        .map(|_| ())
+                }
+                _ => {
+                    for t in 0..TEAMS {
+                        let share = image(&[
+                            ("note_id", Some(id.clone())),
+                            ("team_id", Some(format!("t{t}"))),
+                        ]);
+                        if tx.source_row("public.note_shares", &share).is_some() {
+                            let _ = tx.source_delete("public.note_shares", &share);
+                        }
+                    }
+                    tx.source_delete("public.notes", &key).map(|_| ())
+                }
+            }
+        };
+        if r.is_ok() {
+            tx.commit().await.expect("commit");
+        }
+    }
+}
+
+/// The operator: grants and revokes team scopes.
+async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        sleep(Duration::from_millis(thread_rng().gen_range(200..900))).await;
+        let user = format!("user-{}", thread_rng().gen_range(0..users));
+        let scope = format!("team:t{}", thread_rng().gen_range(0..TEAMS));
+        if thread_rng().gen_bool(0.6) {
+            store.grant(&user, &scope).await;
+        } else {
+            store.revoke(&user, &scope).await;
+        }
+    }
+}
+
+/// Runs a pull scenario under the current seed.
+pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
+    let handle = Handle::current();
+    let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
+    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
+    let database = remote::database_node(&handle, store.clone());
+    let _server = handle
+        .create_node()
+        .name("server")
+        .ip("10.0.0.1".parse().expect("ip"))
+        .init(server_main)
+        .build();
+    let trace = Arc::new(Mutex::new(PullTrace::default()));
+    store
+        .install_capture(&actors::capture::CapturePlan::new(&push_config()))
+        .await
+        .map_err(|e| e.to_string())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
+    let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
+    let mut tasks = Vec::new();
+    for i in 0..scenario.clients {
+        let user = format!("user-{}", i % scenario.users);
+        let node = handle
+            .create_node()
+            .name(format!("client-{i}"))
+            .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
+            .build();
+        // The mutant lives in one client.
+        let mutant = if i == 0 { scenario.mutant } else { None };
+        tasks.push(node.spawn(client_main(
+            i,
+            user,
+            scenario.pulls_per_client,
+            store.clone(),
+            mutant,
+            trace.clone(),
+        )));
+    }
+    let crasher = {
+        let (handle, trace) = (handle.clone(), trace.clone());
+        let crashes = scenario.server_crashes;
+        madsim::task::spawn(async move {
+            for _ in 0..crashes {
+                sleep(Duration::from_millis(thread_rng().gen_range(1_000..15_000))).await;
+                handle.kill("server");
+                sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
+                handle.restart("server");
+                trace.lock().expect("trace").crashes += 1;
+            }
+        })
+    };
+    let mut clients = Vec::new();
+    for t in tasks {
+        clients.push(t.await.map_err(|e| format!("client failed: {e}"))?);
+    }
+    crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    // Quiescence: the application and the operator stop, the link heals,
+    // capture catches up, and every client pulls to a terminal page.
+    stop.store(true, Ordering::Relaxed);
+    app.await.map_err(|e| format!("application failed: {e}"))?;
+    ops.await.map_err(|e| format!("operator failed: {e}"))?;
+    NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
+    crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    for c in &mut clients {
+        let mut terminal = false;
+        for _ in 0..400 {
+            if c.pull(&store, &trace).await == Some(true) {
+                terminal = true;
+                break;
+            }
+        }
+        if !terminal {
+            trace.lock().expect("trace").violations.push(format!(
+                "{}: no terminal page after quiescence",
+                c.client_id
+            ));
+        }
+    }
+    let mut t = trace.lock().expect("trace").clone();
+    if let Err(v) = invariants::pull::check_checkpoints(&t.checkpoints) {
+        t.violations.push(v);
+    }
+    // Every assigned scope: the local copy is the server's.
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    for c in &clients {
+        let record = tx
+            .lock_client(&c.client_id)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("a client without a record")?;
+        let local: Vec<&String> = c.replica.scopes.keys().collect();
+        let assigned: Vec<String> = record
+            .assigned
+            .iter()
+            .map(|s| s.as_str().to_owned())
+            .collect();
+        if local
+            .iter()
+            .map(|s| s.as_str())
+            .ne(assigned.iter().map(String::as_str))
+        {
+            t.violations.push(format!(
+                "{}: holds scopes {local:?}, assigned {assigned:?}",
+                c.client_id
+            ));
+        }
+        for scope in &record.assigned {
+            let members = tx.scope_members(scope).await.map_err(|e| e.to_string())?;
+            let server: Vec<(Vec<u8>, protocol::digest::Digest)> = members
+                .into_iter()
+                .map(|(i, d)| (i.as_bytes().to_vec(), d))
+                .collect();
+            let empty = BTreeMap::new();
+            let rows = c
+                .replica
+                .scopes
+                .get(scope.as_str())
+                .map_or(&empty, |s| &s.rows);
+            if let Err(v) =
+                invariants::pull::check_converged(&c.client_id, scope.as_str(), rows, &server)
+            {
+                t.violations.push(v);
+            }
+        }
+    }
+    Ok(t)
+}

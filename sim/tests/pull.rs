@@ -1,0 +1,74 @@
+//! Pull under faults: lossy links, server crashes, application writes that
+//! move and share rows, scope grants and revocations; and the planted bugs
+//! the invariants must catch. Run with:
+//! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim MADSIM_TEST_SEED=1 MADSIM_TEST_NUM=32 cargo test -p sim --test pull`
+#![cfg(madsim)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
+
+use sim::pull::{Mutant, PullScenario, run_pull};
+
+fn reproduce(test: &str) -> String {
+    let seed = madsim::runtime::Handle::current().seed();
+    format!(
+        "reproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test pull {test}"
+    )
+}
+
+#[madsim::test]
+async fn pull_under_faults() {
+    let reproduce = reproduce("pull_under_faults");
+    let trace = match run_pull(PullScenario::default()).await {
+        Ok(t) => t,
+        Err(e) => panic!("{e}\n{reproduce}"),
+    };
+    assert!(
+        trace.violations.is_empty(),
+        "{} violation(s), first: {}\n{reproduce}",
+        trace.violations.len(),
+        trace.violations[0]
+    );
+    eprintln!(
+        "pages {} changes {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
+        trace.pages,
+        trace.changes,
+        trace.retries,
+        trace.capture_pending,
+        trace.unavailable,
+        trace.crashes,
+        madsim::time::TimeHandle::current().elapsed()
+    );
+    assert!(trace.crashes >= 1, "the server crashed\n{reproduce}");
+    assert!(trace.changes > 0, "changes were pulled\n{reproduce}");
+}
+
+/// A planted bug must fail the run (each in its own simulated world).
+async fn caught(mutant: Mutant, test: &str) {
+    let reproduce = reproduce(test);
+    let scenario = PullScenario {
+        mutant: Some(mutant),
+        ..PullScenario::default()
+    };
+    let trace = match run_pull(scenario).await {
+        Ok(t) => t,
+        Err(e) => panic!("{e}\n{reproduce}"),
+    };
+    assert!(trace.mutated, "{mutant:?} never fired\n{reproduce}");
+    assert!(
+        !trace.violations.is_empty(),
+        "{mutant:?} was not caught\n{reproduce}"
+    );
+}
+
+#[madsim::test]
+async fn a_page_that_loses_a_change_is_caught() {
+    caught(Mutant::DropChange, "a_page_that_loses_a_change_is_caught").await;
+}
+
+#[madsim::test]
+async fn a_cursor_one_effect_too_far_is_caught() {
+    caught(
+        Mutant::CursorTooFar,
+        "a_cursor_one_effect_too_far_is_caught",
+    )
+    .await;
+}
