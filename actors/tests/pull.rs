@@ -10,3 +10,8 @@ async fn pull_pages_cursors_and_checksums() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn pull_state_conformance() {
+    actors::testkit::pull_store_suite(&actors::store::MemStore::new()).await;
+}

@@ -16,3 +16,9 @@ async fn every_pull_rule_on_postgres() {
     };
     pull_suite(&world).await;
 }
+
+#[tokio::test]
+async fn pull_state_conformance() {
+    let cluster = PgCluster::temp().unwrap();
+    actors::testkit::pull_store_suite(&example_store(&cluster, "pull_conformance").await).await;
+}

@@ -17,7 +17,8 @@ pub use capture::{
     truncate_blocks,
 };
 pub use pull::{
-    PullClient, cursor_bindings, cursor_position, mint_cursor, origin_cursor, pull_note, pull_suite,
+    PullClient, cursor_bindings, cursor_position, mint_cursor, origin_cursor, pull_note,
+    pull_store_suite, pull_suite,
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,

@@ -790,3 +790,215 @@ async fn admission<W: CaptureWorld>(world: &W, engine: &Engine) {
     drop(held);
     assert_eq!(c.send(c.body(10)).await.0, 200);
 }
+
+/// The store-conformance suite for what pull reads and writes, on a fresh store.
+pub async fn pull_store_suite<S: Store>(store: &S) {
+    use protocol::digest::{Digest, RowIdentity};
+    use protocol::ids::{ScopeId, ServerVersion};
+    use protocol::position::Boundary;
+    use protocol::value::TypedValue;
+
+    use crate::capture::{CapturedRow, Effect, EffectOp, Materialization, MaterializedTransaction};
+    use crate::store::StoreError;
+    use crate::stream::{MembershipRules, StreamState};
+
+    // The stream's lineage starts at generation 1, with nothing compacted.
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.stream_state().await.unwrap(), StreamState::default());
+    // Membership rules: appended, read back, never stored twice.
+    assert!(tx.membership_rules().await.unwrap().is_empty());
+    let rules = |table: &str, generation| MembershipRules {
+        table_id: table.into(),
+        generation,
+        fingerprint: format!("[{table}]"),
+        templates: vec![format!("{table}:{{id}}"), "shared".into()],
+    };
+    tx.insert_membership_rules(&[rules("a", 1), rules("b", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    tx.insert_membership_rules(&[rules("a", 2)]).await.unwrap();
+    let mut got = tx.membership_rules().await.unwrap();
+    got.sort_by(|x, y| (&x.table_id, x.generation).cmp(&(&y.table_id, y.generation)));
+    assert_eq!(got, [rules("a", 1), rules("a", 2), rules("b", 1)]);
+    assert!(matches!(
+        tx.insert_membership_rules(&[rules("b", 1)]).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
+    // Token keys: the first keys stored stay; a later set changes nothing.
+    let key = |id: &str, kind, secret| TokenKey {
+        key_id: id.into(),
+        kind,
+        state: KeyState::Active,
+        secret: [secret; 32],
+    };
+    let first = [
+        key("ic-1", TokenKind::IncrementalCursor, 1),
+        key("rc-1", TokenKind::RebuildContinuation, 2),
+    ];
+    let shape = |keys: &[TokenKey]| {
+        let mut v: Vec<_> = keys
+            .iter()
+            .map(|k| (k.key_id.clone(), k.kind, k.state, k.secret))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.token_keys().await.unwrap().is_empty());
+    tx.insert_token_keys(&first).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    tx.insert_token_keys(&[
+        key("ic-1", TokenKind::IncrementalCursor, 9),
+        key("other", TokenKind::IncrementalCursor, 9),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(shape(&tx.token_keys().await.unwrap()), shape(&first));
+    tx.commit().await.unwrap();
+    // Checkpoints: per client and scope, replaced by a later put.
+    let s1 = ScopeId::parse("s1").unwrap();
+    let s2 = ScopeId::parse("s2").unwrap();
+    let at = |lsn, event, effect| StreamPosition::Effect {
+        commit_lsn: lsn,
+        event_ordinal: event,
+        effect_ordinal: effect,
+    };
+    let cp = |position| Checkpoint {
+        stream_generation: 1,
+        position,
+    };
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.checkpoints("c1").await.unwrap().is_empty());
+    tx.put_checkpoints(
+        "c1",
+        &[
+            (s1.clone(), cp(StreamPosition::GenerationStart)),
+            (s2.clone(), cp(at(5, 1, 2))),
+        ],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    tx.put_checkpoints(
+        "c1",
+        &[(
+            s1.clone(),
+            cp(StreamPosition::TransactionEnd { commit_lsn: 9 }),
+        )],
+    )
+    .await
+    .unwrap();
+    let got = tx.checkpoints("c1").await.unwrap();
+    assert_eq!(
+        got,
+        [
+            (
+                s1.clone(),
+                cp(StreamPosition::TransactionEnd { commit_lsn: 9 })
+            ),
+            (s2.clone(), cp(at(5, 1, 2))),
+        ]
+        .into_iter()
+        .collect()
+    );
+    assert!(tx.checkpoints("c2").await.unwrap().is_empty());
+    assert!(!tx.has_pending_fence("c1").await.unwrap());
+    drop(tx);
+
+    // Candidates: each row's last effect through the boundary, in order.
+    let identity = |k: i32| RowIdentity::new("t", "id", &TypedValue::Int(k));
+    let row = CapturedRow {
+        row: "{}".into(),
+        version: ServerVersion::parse("v").unwrap(),
+        digest: Digest([1; 32]),
+    };
+    let effect = |lsn: u64, k: i32| Effect {
+        scope: s1.clone(),
+        commit_lsn: lsn,
+        event_ordinal: 0,
+        effect_ordinal: 0,
+        table_id: "t".into(),
+        identity: identity(k),
+        key: Value::int(i64::from(k)),
+        op: EffectOp::Upsert(row.clone()),
+    };
+    for (lsn, k) in [(100, 1), (200, 2), (300, 1)] {
+        let m = Materialization {
+            commit_lsn: lsn,
+            end_lsn: lsn + 8,
+            transactions: vec![MaterializedTransaction {
+                commit_lsn: lsn,
+                end_lsn: lsn + 8,
+                row_events: 1,
+            }],
+            effects: vec![effect(lsn, k)],
+            ..Materialization::default()
+        };
+        let mut tx = store.begin().await.unwrap();
+        tx.materialize(&m).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let through = |lsn| Boundary::TransactionEnd { commit_lsn: lsn };
+    let start = StreamPosition::GenerationStart;
+    let mut tx = store.begin().await.unwrap();
+    let c = tx
+        .scope_candidates(&s1, start, through(300), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        c,
+        [effect(200, 2), effect(300, 1)],
+        "row 1 at 100 is covered"
+    );
+    let c = tx
+        .scope_candidates(&s1, start, through(200), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        c,
+        [effect(100, 1), effect(200, 2)],
+        "only through the boundary"
+    );
+    let c = tx
+        .scope_candidates(&s1, start, through(300), 1)
+        .await
+        .unwrap();
+    assert_eq!(c, [effect(200, 2)], "at most max");
+    let c = tx
+        .scope_candidates(&s1, at(200, 0, 0), through(300), 10)
+        .await
+        .unwrap();
+    assert_eq!(c, [effect(300, 1)], "only after the cursor");
+    assert!(
+        tx.scope_candidates(&s2, start, through(300), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        tx.last_effect_before(&s1, at(300, 0, 0)).await.unwrap(),
+        Some(at(200, 0, 0))
+    );
+    assert_eq!(
+        tx.last_effect_before(&s1, StreamPosition::TransactionEnd { commit_lsn: 300 })
+            .await
+            .unwrap(),
+        Some(at(300, 0, 0))
+    );
+    assert_eq!(
+        tx.last_effect_before(&s1, at(100, 0, 0)).await.unwrap(),
+        None
+    );
+    assert_eq!(tx.last_effect_before(&s1, start).await.unwrap(), None);
+    assert_eq!(
+        tx.last_effect_before(&s2, through(300).into())
+            .await
+            .unwrap(),
+        None
+    );
+}
