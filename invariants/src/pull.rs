@@ -465,3 +465,83 @@ pub fn check_converged(
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn at(lsn: u64) -> StreamPosition {
+        StreamPosition::Effect {
+            commit_lsn: lsn,
+            event_ordinal: 0,
+            effect_ordinal: 0,
+        }
+    }
+
+    fn effect(row: u8, lsn: u64, version: &str, removes: bool) -> EffectView {
+        EffectView {
+            identity: vec![row],
+            position: at(lsn),
+            version: version.into(),
+            removes,
+            tombstone: false,
+        }
+    }
+
+    fn held(rows: &[(u8, &str)]) -> BTreeMap<Vec<u8>, LocalRow> {
+        rows.iter()
+            .map(|(r, v)| {
+                (
+                    vec![*r],
+                    LocalRow {
+                        table: "t".into(),
+                        version: (*v).into(),
+                        digest: Digest([0; 32]),
+                        tombstone: false,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_cursor_past_an_undelivered_effect_is_caught() {
+        let effects = [
+            effect(1, 1, "a1", false),
+            effect(2, 2, "b1", false),
+            effect(1, 3, "a1", true),
+        ];
+        assert!(check_cursor("s", &effects, at(2), &held(&[(1, "a1"), (2, "b1")])).is_ok());
+        // Row 1's effect at 1 is covered by its removal at 3, still ahead.
+        assert!(check_cursor("s", &effects, at(2), &held(&[(2, "b1")])).is_ok());
+        // Row 2's effect at 2 was neither delivered nor covered.
+        assert!(check_cursor("s", &effects, at(2), &held(&[(1, "a1")])).is_err());
+        // Through 3, row 1 must be gone.
+        assert!(check_cursor("s", &effects, at(3), &held(&[(1, "a1"), (2, "b1")])).is_err());
+        assert!(check_cursor("s", &effects, at(3), &held(&[(2, "b1")])).is_ok());
+        // A stale version held is caught too.
+        assert!(check_cursor("s", &effects, at(2), &held(&[(2, "b0")])).is_err());
+    }
+
+    #[test]
+    fn a_checkpoint_moving_back_is_caught() {
+        let key = ("c".to_owned(), "s".to_owned());
+        let ok = [(
+            key.clone(),
+            vec![(1, at(1)), (1, at(1)), (1, at(4)), (2, at(0))],
+        )];
+        assert!(check_checkpoints(&ok.into_iter().collect()).is_ok());
+        let back = [(key, vec![(1, at(4)), (1, at(3))])];
+        assert!(check_checkpoints(&back.into_iter().collect()).is_err());
+    }
+
+    #[test]
+    fn a_local_copy_unlike_the_server_is_caught() {
+        let local = held(&[(1, "a")]);
+        let same = [(vec![1], Digest([0; 32]))];
+        assert!(check_converged("c", "s", &local, &same).is_ok());
+        assert!(check_converged("c", "s", &local, &[(vec![1], Digest([1; 32]))]).is_err());
+        assert!(check_converged("c", "s", &local, &[]).is_err());
+    }
+}

@@ -109,3 +109,83 @@ pub fn issue(
         position,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use protocol::token::{KeyState, TokenKey, TokenKind};
+
+    use super::*;
+
+    fn keys() -> KeyRing {
+        let key = |id: &str, kind, secret| TokenKey {
+            key_id: id.into(),
+            kind,
+            state: KeyState::Active,
+            secret: [secret; 32],
+        };
+        KeyRing::new(vec![
+            key("ic", TokenKind::IncrementalCursor, 1),
+            key("rc", TokenKind::RebuildContinuation, 2),
+        ])
+        .unwrap()
+    }
+
+    fn at(lsn: u64) -> StreamPosition {
+        StreamPosition::Effect {
+            commit_lsn: lsn,
+            event_ordinal: 0,
+            effect_ordinal: 0,
+        }
+    }
+
+    #[test]
+    fn the_retention_floor_and_the_boundary_make_cursors_stale() {
+        let keys = keys();
+        let scope = ScopeId::parse("s").unwrap();
+        let mut ctx = CursorContext {
+            user_id: "u",
+            client_id: "c",
+            client_generation: 3,
+            schema_hash: Digest([5; 32]),
+            stream: StreamState::default(),
+            boundary: Boundary::TransactionEnd { commit_lsn: 50 },
+            now_micros: 0,
+        };
+        let token = issue(&keys, &ctx, &scope, 1, at(20));
+        let judge = |ctx: &CursorContext<'_>| judge(&keys, ctx, &scope, 1, Some(&token));
+        assert_eq!(judge(&ctx), Ok(Presented::Valid(at(20))));
+        // Ordinary floor movement keeps a cursor at or above the floor...
+        ctx.stream.floor = at(20);
+        assert_eq!(judge(&ctx), Ok(Presented::Valid(at(20))));
+        // ...and makes one below it stale.
+        ctx.stream.floor = at(21);
+        assert_eq!(judge(&ctx), Ok(Presented::Stale));
+        ctx.stream.floor = StreamPosition::GenerationStart;
+        // Past the boundary (a restored database): stale.
+        ctx.boundary = Boundary::TransactionEnd { commit_lsn: 10 };
+        assert_eq!(judge(&ctx), Ok(Presented::Stale));
+        ctx.boundary = Boundary::TransactionEnd { commit_lsn: 50 };
+        // The membership generation moved on.
+        assert_eq!(
+            super::judge(&keys, &ctx, &scope, 2, Some(&token)),
+            Ok(Presented::Stale)
+        );
+        // A generation this server never issued is not authentic state.
+        ctx.client_generation = 2;
+        assert_eq!(judge(&ctx), Err(Misbound));
+        ctx.client_generation = 3;
+        // Another client, or scope: misbound.
+        ctx.client_id = "d";
+        assert_eq!(judge(&ctx), Err(Misbound));
+        ctx.client_id = "c";
+        let other = ScopeId::parse("t").unwrap();
+        assert_eq!(
+            super::judge(&keys, &ctx, &other, 1, Some(&token)),
+            Err(Misbound)
+        );
+        assert_eq!(
+            super::judge(&keys, &ctx, &scope, 1, None),
+            Ok(Presented::Null)
+        );
+    }
+}
