@@ -18,7 +18,6 @@ use crate::pull::Puller;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::store::Store;
-use crate::stream::load_key_ring;
 
 enum RegistryMsg {
     Connect {
@@ -78,7 +77,6 @@ impl Engine {
     /// Loads the registry from `store`, installs capture and starts the actors.
     pub async fn start<S: Store>(store: S, config: SyncConfig) -> Result<Engine, RegistryError> {
         let registry = Arc::new(Registry::load(store.clone(), config.clone()).await?);
-        let keys = load_key_ring(&store).await?;
         store
             .install_capture(&CapturePlan::new(&config))
             .await
@@ -110,7 +108,7 @@ impl Engine {
         let puller = Arc::new(Puller::new(
             store.clone(),
             registry.clone(),
-            keys,
+            registry.keys().clone(),
             pull_pages.clone(),
         ));
         let (pull_tx, mut pull_rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);

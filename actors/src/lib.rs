@@ -6,6 +6,7 @@
 
 pub mod capture;
 pub mod config;
+pub mod cursor;
 pub mod engine;
 pub mod ledger;
 pub mod materializer;

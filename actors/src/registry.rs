@@ -5,7 +5,7 @@
 //! so concurrent connects of one client serialize and a failed connect
 //! writes nothing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use protocol::error::{ErrorKind, ProtocolError};
@@ -20,8 +20,10 @@ use protocol::wire::{AssignmentDelta, format_server_time};
 
 use crate::capture::CaptureHealth;
 use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
+use crate::cursor::{self, CursorContext};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
-use crate::stream::{MembershipLineage, reconcile_membership};
+use crate::stream::{MembershipLineage, load_key_ring, reconcile_membership};
+use protocol::token::KeyRing;
 
 /// What one schema transition changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -317,6 +319,7 @@ pub struct Registry<S: Store> {
     history: SchemaHistory,
     current: Arc<Manifest>,
     membership: MembershipLineage,
+    keys: KeyRing,
     minimum_client_version: Option<semver::Version>,
 }
 
@@ -327,6 +330,7 @@ impl<S: Store> Registry<S> {
         let history = reconcile_schema(&mut tx, &config).await?;
         let membership = reconcile_membership(&mut tx, &config).await?;
         tx.commit().await?;
+        let keys = load_key_ring(&store).await?;
         let current = history
             .current()
             .cloned()
@@ -343,8 +347,14 @@ impl<S: Store> Registry<S> {
             history,
             current,
             membership,
+            keys,
             minimum_client_version,
         })
+    }
+
+    /// The token keys every process shares.
+    pub fn keys(&self) -> &KeyRing {
+        &self.keys
     }
 
     /// The membership generation of each scope.
@@ -447,18 +457,18 @@ impl<S: Store> Registry<S> {
                 .collect(),
         };
         let schema = self.schema_action(&req, &authoritative);
-        // Existing assignments keep their cursors only when nothing they depend on changed.
-        let cursors_stale = renewed || !matches!(schema, SchemaAction::None { .. });
-        let scope_cursor_updates = req
-            .known_scopes
-            .iter()
-            .filter(|(s, cursor)| {
-                let stale =
-                    (cursors_stale && cursor.is_some()) || req.seed_receipts.contains_key(*s);
-                stale && authoritative.contains(*s)
-            })
-            .map(|(s, _)| (s.clone(), None))
-            .collect();
+        let scope_cursor_updates = self
+            .cursor_updates(
+                &mut tx,
+                user_id,
+                &req,
+                &client,
+                renewed,
+                &schema,
+                &authoritative,
+                now_micros,
+            )
+            .await?;
         client.installed_schema = match req.schema {
             ConnectSchema::Fresh => None,
             ConnectSchema::Installed(r) => Some(r),
@@ -478,6 +488,75 @@ impl<S: Store> Registry<S> {
             scopes,
             scope_cursor_updates,
         }))
+    }
+
+    /// `scope_cursor_updates`: for each presented cursor of a kept
+    /// assignment whose state this connect changes, its same-position
+    /// current-schema replacement (Class 2 and 3 transitions, scope
+    /// unaffected, every other binding current), or null (rebuild).
+    #[allow(clippy::too_many_arguments)]
+    async fn cursor_updates<T: StoreTx>(
+        &self,
+        tx: &mut T,
+        user_id: &str,
+        req: &ConnectRequest,
+        client: &ClientRecord,
+        renewed: bool,
+        schema: &SchemaAction,
+        authoritative: &BTreeSet<ScopeId>,
+        now_micros: i64,
+    ) -> Result<BTreeMap<ScopeId, Option<String>>, ProtocolError> {
+        let unchanged = !renewed && matches!(schema, SchemaAction::None { .. });
+        // The bridge applies to a known Class 2 or 3 lineage, without reset.
+        let bridge = match (&req.schema, renewed || req.schema_reset) {
+            (ConnectSchema::Installed(installed), false) => match self.history.lineage(installed) {
+                Lineage::Known(t)
+                    if matches!(t.class, TransitionClass::Class2 | TransitionClass::Class3) =>
+                {
+                    Some((installed.hash, t))
+                }
+                _ => None,
+            },
+            _ => None,
+        };
+        let mut lineage = None;
+        if bridge.is_some() {
+            let boundary = tx.capture_progress().await.map_err(store_error)?.boundary;
+            lineage = Some((tx.stream_state().await.map_err(store_error)?, boundary));
+        }
+        let mut updates = BTreeMap::new();
+        for (scope, cursor) in &req.known_scopes {
+            if !authoritative.contains(scope) {
+                continue; // removed: excluded from the map
+            }
+            let seeded = req.seed_receipts.contains_key(scope);
+            let Some(token) = cursor.as_deref().filter(|_| !unchanged || seeded) else {
+                if seeded {
+                    updates.insert(scope.clone(), None);
+                }
+                continue;
+            };
+            let replacement = match (&bridge, &lineage) {
+                (Some((installed_hash, t)), Some((stream, boundary)))
+                    if !seeded && !self.produced_by(&t.rematerialized, scope) =>
+                {
+                    let ctx = CursorContext {
+                        user_id,
+                        client_id: &client.client_id,
+                        client_generation: client.generation,
+                        schema_hash: self.current.hash(),
+                        stream: *stream,
+                        boundary: *boundary,
+                        now_micros,
+                    };
+                    let g = self.membership.generation_of(scope);
+                    cursor::bridge(&self.keys, &ctx, scope, g, installed_hash, token)
+                }
+                _ => None,
+            };
+            updates.insert(scope.clone(), replacement);
+        }
+        Ok(updates)
     }
 
     /// The client record this connect continues, and whether its generation was renewed.

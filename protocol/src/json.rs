@@ -448,28 +448,39 @@ pub fn write_value(v: &Value, out: &mut String) {
             out.push(']');
         }
         Value::Object(members) => {
-            out.push('{');
-            for (k, (name, item)) in sorted_members(members).into_iter().enumerate() {
-                if k > 0 {
-                    out.push(',');
-                }
+            let mut member = |k: usize, name: &str, item: &Value| {
+                out.push(if k == 0 { '{' } else { ',' });
                 write_string(name, out);
                 out.push(':');
                 write_value(item, out);
+            };
+            if needs_utf16_order(members) {
+                for (k, (name, item)) in sorted_members(members).into_iter().enumerate() {
+                    member(k, name, item);
+                }
+            } else {
+                for (k, (name, item)) in members.iter().enumerate() {
+                    member(k, name, item);
+                }
+            }
+            if members.is_empty() {
+                out.push('{');
             }
             out.push('}');
         }
     }
 }
 
+/// BTreeMap order is UTF-8 byte order; it differs from RFC 8785's UTF-16
+/// order only between supplementary characters and U+E000..U+FFFF.
+fn needs_utf16_order(members: &Object) -> bool {
+    members.keys().any(|k| k.chars().any(|c| c > '\u{D7FF}'))
+}
+
 /// Members in RFC 8785 order: by UTF-16 code units of the name.
 fn sorted_members(members: &Object) -> Vec<(&String, &Value)> {
     let mut list: Vec<_> = members.iter().collect();
-    // BTreeMap order is UTF-8 byte order; it differs from UTF-16 order only
-    // between supplementary characters and U+E000..U+FFFF, so resort only then.
-    if members.keys().any(|k| k.chars().any(|c| c > '\u{D7FF}')) {
-        list.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
-    }
+    list.sort_by(|a, b| a.0.encode_utf16().cmp(b.0.encode_utf16()));
     list
 }
 

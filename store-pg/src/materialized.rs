@@ -130,6 +130,11 @@ pub(crate) fn effect(r: &PgRow) -> Result<Effect, StoreError> {
                     .map_err(get)?
                     .ok_or_else(|| integrity("effect digest"))?,
             )?,
+            schema_version: r
+                .try_get::<Option<i64>, _>("schema_version")
+                .map_err(get)?
+                .map(to_u64)
+                .transpose()?,
         }),
     };
     let op = match (r.try_get::<i16, _>("op").map_err(get)?, captured) {
@@ -490,9 +495,9 @@ impl PgTx {
                 .collect::<Result<Vec<_>, StoreError>>()?;
             sqlx::query(
                 "INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
-                 table_id, identity, key_json, op, row_json, version, digest) \
+                 table_id, identity, key_json, op, row_json, version, digest, schema_version) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
-                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[])",
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[])",
             )
             .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
             .bind(positions.iter().map(|p| p.0).collect::<Vec<_>>())
@@ -512,6 +517,11 @@ impl PgTx {
             .bind(rows.iter().map(|r| r.map(|c| c.row.as_str())).collect::<Vec<_>>())
             .bind(e.iter().map(|e| e.op.version().as_str()).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
+            .bind(
+                rows.iter()
+                    .map(|r| r.and_then(|c| c.schema_version).map(to_i64).transpose())
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
             .execute(&mut *tx)
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;

@@ -246,14 +246,18 @@ impl PgTx {
     ) -> Result<Vec<Effect>, StoreError> {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
+        // The effects in position order (the primary key), each kept only
+        // if a probe of the row index finds no later effect of its row: a
+        // scalar subquery, so that the plan stays a per-row probe and stops
+        // at `max`, never an anti-join over every remaining effect.
         sqlx::query(
             "SELECT * FROM synchro.scope_effects e WHERE e.scope_id = $1 \
              AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) > ($2, $3, $4) \
              AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) <= ($5, $6, $7) \
-             AND NOT EXISTS (SELECT 1 FROM synchro.scope_effects l \
+             AND (SELECT 1 FROM synchro.scope_effects l \
                WHERE l.scope_id = e.scope_id AND l.table_id = e.table_id AND l.identity = e.identity \
                AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) > (e.commit_lsn, e.event_ordinal, e.effect_ordinal) \
-               AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) <= ($5, $6, $7)) \
+               AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) <= ($5, $6, $7) LIMIT 1) IS NULL \
              ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT $8",
         )
         .bind(scope.as_str())

@@ -264,6 +264,9 @@ pub struct CapturedRow {
     pub row: String,
     pub version: ServerVersion,
     pub digest: Digest,
+    /// The manifest `digest` was computed under; `None` for effects stored
+    /// before it was recorded (pull then recomputes).
+    pub schema_version: Option<u64>,
 }
 
 /// What a scope's client must do for one row.

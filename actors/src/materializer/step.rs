@@ -399,6 +399,7 @@ fn materialize(
             row: json::to_canonical_string(&wire),
             version: version.clone(),
             digest,
+            schema_version: Some(model.manifest.schema_version()),
         };
         for scope in &scopes {
             if touched || !old_scopes.contains(scope) {

@@ -4,11 +4,10 @@
 //! `Puller::pull` is the whole dispatch, in the spec's order: bind, the
 //! boundary, structure, retirement, the generation and schema gates, the
 //! request rules that need state, cursors, admission, then the page. The
-//! page's decisions are `page`; cursors are `cursor`; terminal checksums
-//! are `checksum`.
+//! page's decisions are `page`; terminal checksums are `checksum`; cursors
+//! are `crate::cursor`.
 
 pub mod checksum;
-pub mod cursor;
 pub mod page;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -26,12 +25,12 @@ use protocol::wire::{AssignmentDelta, PrimaryKey, RowImage};
 use tokio::sync::Semaphore;
 
 use crate::capture::{Effect, EffectOp};
+use crate::cursor::{self, CursorContext, Presented};
 use crate::registry::{Registry, reconcile_assignment, store_error};
 use crate::reply::Reply;
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 use crate::stream::Checkpoint;
 use checksum::ChecksumCache;
-use cursor::{CursorContext, Presented};
 use page::ScopeEffects;
 
 /// How often a pull whose snapshot lost a write conflict runs again before
@@ -416,9 +415,10 @@ fn scope_updates(req: &PullRequest, authoritative: &BTreeSet<ScopeId>) -> Assign
     }
 }
 
-/// The wire change of one selected candidate, its row checksum computed
-/// under the current manifest. A row that manifest cannot represent is an
-/// integrity failure, never a silent omission.
+/// The wire change of one selected candidate. Its row checksum is the
+/// stored digest when that was computed under the current manifest, and is
+/// computed under the current manifest otherwise; a row that manifest cannot
+/// represent is an integrity failure, never a silent omission.
 fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
     let bad = |what: &str| StoreError::Integrity(format!("a captured effect {what}"));
     let table = current
@@ -426,11 +426,27 @@ fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
         .ok_or_else(|| bad("names a table the manifest lacks"))?;
     let image = |r: &crate::capture::CapturedRow| -> Result<RowImage, StoreError> {
         let row = json::parse(r.row.as_bytes()).map_err(|_| bad("row is not JSON"))?;
-        let object = row.as_object().ok_or_else(|| bad("row is not an object"))?;
-        let decoded = table
-            .decode_row(object)
-            .map_err(|_| bad("row does not fit the current manifest"))?;
-        let checksum = row_digest(&current.hash(), table, &e.identity, &decoded, &r.version);
+        let recompute = || -> Result<Digest, StoreError> {
+            let object = row.as_object().ok_or_else(|| bad("row is not an object"))?;
+            let decoded = table
+                .decode_row(object)
+                .map_err(|_| bad("row does not fit the current manifest"))?;
+            Ok(row_digest(
+                &current.hash(),
+                table,
+                &e.identity,
+                &decoded,
+                &r.version,
+            ))
+        };
+        let checksum = if r.schema_version == Some(current.schema_version()) {
+            // Debug builds (every test, the simulator) check the stored digest.
+            #[cfg(debug_assertions)]
+            assert_eq!(r.digest, recompute()?, "a stored digest is its row's");
+            r.digest
+        } else {
+            recompute()?
+        };
         Ok(RowImage { row, checksum })
     };
     let op = match &e.op {

@@ -633,6 +633,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         row: json::to_canonical_string(&row),
         version: ServerVersion::parse("v1").unwrap(),
         digest: Digest([7; 32]),
+        schema_version: Some(1),
     };
     // A delete without a row still carries the version the row had.
     let removed = ServerVersion::parse("v2").unwrap();

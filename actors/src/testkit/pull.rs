@@ -270,6 +270,8 @@ pub async fn pull_suite<W: CaptureWorld>(world: &W) {
     dedup_merge_and_siblings(world, &engine).await;
     scope_movement(world, &engine).await;
     admission(world, &engine).await;
+    // Last: it appends manifests.
+    schema_bridge(world, &engine).await;
 }
 
 /// Every request error, and the precedence between them.
@@ -916,6 +918,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         row: "{}".into(),
         version: ServerVersion::parse("v").unwrap(),
         digest: Digest([1; 32]),
+        schema_version: Some(1),
     };
     let effect = |lsn: u64, k: i32| Effect {
         scope: s1.clone(),
@@ -1001,4 +1004,120 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             .unwrap(),
         None
     );
+}
+
+/// Connect's same-position current-schema replacement: after a Class 2
+/// change every kept cursor is replaced, after a Class 3 change only the
+/// unaffected scopes' are; pull accepts the replacements and never the
+/// historical tokens.
+async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "br-u", "br-c").await;
+    c.sync(10).await;
+    let old = c.body(10);
+    let old_cursors: Vec<(String, Option<String>)> = c
+        .replica
+        .scopes
+        .iter()
+        .map(|(s, l)| (s.clone(), l.cursor.clone()))
+        .collect();
+    let reconnect = |engine: &Engine, schema: Value, known: Vec<(String, Option<String>)>| {
+        let mut body = ConnectBody::fresh("br-c");
+        body.generation = Some(c.generation);
+        body.schema = schema;
+        body.scope_set_version = c.replica.scope_set_version;
+        body.known = known;
+        let engine = engine.clone();
+        async move {
+            let r = engine
+                .connect("br-u", json::to_canonical(&body.to_json()), NOW)
+                .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            json::parse(&r.body).unwrap()
+        }
+    };
+    let updates = |v: &Value| -> BTreeMap<String, Option<String>> {
+        v.as_object().unwrap()["scope_cursor_updates"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(s, c)| (s.clone(), c.as_str().map(str::to_owned)))
+            .collect()
+    };
+    let schema_of = |v: &Value| {
+        let s = v.as_object().unwrap()["schema"].as_object().unwrap();
+        json::object([
+            ("version", s["version"].clone()),
+            ("hash", s["hash"].clone()),
+        ])
+    };
+    // Class 2: a table renamed. Every kept cursor gets its replacement.
+    let class2 =
+        super::push::push_config_with(|s| s.replace("name = \"notes\"", "name = \"notebook\""));
+    let engine2 = Engine::start(store.clone(), class2).await.unwrap();
+    let v = reconnect(&engine2, c.replica_schema(), old_cursors.clone()).await;
+    assert_eq!(
+        v.as_object().unwrap()["schema"].as_object().unwrap()["action"],
+        Value::string("replace")
+    );
+    let replaced = updates(&v);
+    assert_eq!(replaced.len(), 2, "{replaced:?}");
+    assert!(replaced.values().all(Option::is_some), "{replaced:?}");
+    let current = schema_of(&v);
+    let body = |cursors: &BTreeMap<String, Option<String>>, schema: &Value| {
+        edit(&old, |o| {
+            o.insert("schema".into(), schema.clone());
+            let scopes = cursors
+                .iter()
+                .map(|(s, c)| {
+                    let c = c.as_ref().map_or(Value::Null, |c| Value::string(c.clone()));
+                    (s.clone(), json::object([("cursor", c)]))
+                })
+                .collect();
+            o.insert("scopes".into(), Value::Object(scopes));
+        })
+    };
+    let r = engine2.pull("br-u", body(&replaced, &current), NOW).await;
+    let page = json::parse(&r.body).unwrap();
+    assert_eq!(r.status, 200, "{page:?}");
+    assert_eq!(
+        page.as_object().unwrap()["rebuild"],
+        Value::Array(vec![]),
+        "replacements resume"
+    );
+    // The historical tokens themselves are stale under the current schema.
+    let historical: BTreeMap<String, Option<String>> = old_cursors.iter().cloned().collect();
+    let r = engine2.pull("br-u", body(&historical, &current), NOW).await;
+    let page = json::parse(&r.body).unwrap();
+    assert_eq!(
+        page.as_object().unwrap()["rebuild"],
+        Value::Array(vec![
+            Value::string("templates_public"),
+            Value::string("user:br-u")
+        ]),
+        "pull never accepts a historical token"
+    );
+    // Class 3: the notes lifecycle changes, so notes are rematerialized:
+    // the user scope (notes) needs a rebuild, templates keep going.
+    let class3 = super::push::push_config_with(|s| {
+        s.replace("name = \"notes\"", "name = \"notebook\"")
+            .replace(
+                "lifecycle = { updated_at = \"updated_at\", deleted_at = \"deleted_at\" }",
+                "lifecycle = { updated_at = \"updated_at\" }",
+            )
+    });
+    let engine3 = Engine::start(store.clone(), class3).await.unwrap();
+    let known: Vec<(String, Option<String>)> = replaced.clone().into_iter().collect();
+    let v = reconnect(&engine3, current.clone(), known).await;
+    assert_eq!(
+        v.as_object().unwrap()["schema"].as_object().unwrap()["action"],
+        Value::string("rebuild_local")
+    );
+    let after = updates(&v);
+    assert!(after["user:br-u"].is_none(), "an affected scope rebuilds");
+    assert!(
+        after["templates_public"].is_some(),
+        "an unaffected scope is bridged"
+    );
+    let _ = (engine2, engine3);
 }

@@ -22,7 +22,13 @@ pub const NOW_TEXT: &str = "2026-07-18T14:00:01.000000Z";
 /// The example config with writable template fields (a table without
 /// `deleted_at`, so deletes are hard) and short capture limits.
 pub fn push_config() -> SyncConfig {
+    push_config_with(|s| s)
+}
+
+/// The push config after `edit` was applied to the example config's text.
+pub fn push_config_with(edit: impl Fn(String) -> String) -> SyncConfig {
     let mut config = example_config(|s| {
+        let s = edit(s);
         s.replace(
             r#"{ field_id = "fld_templates_name", column = "name", type = "string" }"#,
             r#"{ field_id = "fld_templates_name", column = "name", type = "string", writable = true }"#,

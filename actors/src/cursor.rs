@@ -1,6 +1,7 @@
 //! Incremental cursors (ADR 003 "Incremental cursor bindings", "Stale
-//! versus forged cursor dispatch"): what each presented cursor means, and
-//! the bindings of a new one. Pure: the caller supplies the current state.
+//! versus forged cursor dispatch"): what each presented cursor means, the
+//! bindings of a new one, and connect's same-position replacement under
+//! the current schema. Pure: the caller supplies the current state.
 
 use protocol::digest::Digest;
 use protocol::ids::ScopeId;
@@ -80,6 +81,35 @@ pub fn judge(
     } else {
         Presented::Valid(b.position)
     })
+}
+
+/// Connect's compatible unaffected-scope bridge (wire spec "Connect"): an
+/// authentic cursor of `scope` issued under the client's installed schema
+/// `installed_hash`, every other binding current and its position within
+/// the retained stream, re-issued at the same position under the current
+/// schema. `None` when anything else about it is stale or misbound: the
+/// scope then needs a rebuild.
+pub fn bridge(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    scope: &ScopeId,
+    membership_generation: u64,
+    installed_hash: &Digest,
+    token: &str,
+) -> Option<String> {
+    let b = keys.verify_cursor(token).ok()?;
+    let s = &b.scope;
+    let current = s.user_binding == user_binding(ctx.user_id)
+        && s.client_binding == client_binding(ctx.user_id, ctx.client_id)
+        && s.scope_id == scope.as_str()
+        && s.client_generation == ctx.client_generation
+        && s.stream_generation == ctx.stream.generation
+        && s.retention_generation == ctx.stream.retention_generation
+        && s.membership_generation == membership_generation
+        && s.schema_hash == *installed_hash
+        && b.position >= ctx.stream.floor
+        && b.position <= StreamPosition::from(ctx.boundary);
+    current.then(|| issue(keys, ctx, scope, membership_generation, b.position))
 }
 
 /// A new cursor of `scope` at `position`, under the context's bindings.

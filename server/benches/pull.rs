@@ -1,0 +1,343 @@
+//! Pull latency and throughput over HTTP on PostgreSQL (issue 11), through
+//! the real adapter, engine, materializer and PgStore on a throwaway cluster:
+//!
+//! - steady pull: a 1,000-row scope with no change since the cursor;
+//! - changed pull: 100 rows of that scope updated, one page of 100 changes;
+//! - catch-up: 100,000 effects pulled from the stream's start at limit 1000,
+//!   against a plain keyset SQL read of the same effect rows (1000 per
+//!   query) measured in the same run.
+//!
+//! Each client keeps one HTTP/1.1 connection (keep-alive). The steady and
+//! changed pulls are applied by `invariants::pull::Replica` (every row and
+//! scope checksum verified, in the measured time); the catch-up client only
+//! parses each page and installs its cursors, so that it measures the
+//! server (its pages are the same bytes the tests verify).
+//! Run: `cargo bench -p server --bench pull`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actors::Engine;
+use actors::config::AuthConfig;
+use actors::store::{Store, StoreTx};
+use actors::testkit::{origin_cursor, push_config};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use invariants::pull::Replica;
+use protocol::json;
+use protocol::position::Boundary;
+use server::adapter::{AppState, router};
+use server::auth::{Authenticator, dev_token, hs256_secret};
+use sqlx::Row;
+use store_pg::PgStore;
+use store_pg::cluster::PgCluster;
+
+const SCOPE_ROWS: usize = 1_000;
+const CHANGED: usize = 100;
+const STEADY_ROUNDS: usize = 300;
+const CHANGED_ROUNDS: usize = 30;
+/// `SYNCHRO_BENCH_CATCH_UP` overrides it for a quick look.
+const CATCH_UP: usize = 100_000;
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// One keep-alive HTTP connection as one user.
+struct Http {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    bearer: String,
+}
+
+impl Http {
+    async fn open(addr: SocketAddr, bearer: String) -> Http {
+        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        Http { sender, bearer }
+    }
+
+    async fn post(&mut self, path: &str, body: Vec<u8>) -> (u16, Vec<u8>) {
+        let req = hyper::Request::builder()
+            .method("POST")
+            .uri(path)
+            .header("host", "localhost")
+            .header("authorization", &self.bearer)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        self.sender.ready().await.unwrap();
+        let response = self.sender.send_request(req).await.unwrap();
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, body.to_vec())
+    }
+}
+
+/// A connected client with a replica, every scope started from its origin.
+struct Client {
+    http: Http,
+    replica: Replica,
+    user: String,
+    client_id: String,
+}
+
+impl Client {
+    async fn connect(store: &PgStore, addr: SocketAddr, secret: &[u8], user: &str) -> Client {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let bearer = format!("Bearer {}", dev_token(secret, user, now).unwrap());
+        let mut http = Http::open(addr, bearer).await;
+        let client_id = format!("{user}-client");
+        let body = json::to_canonical(&actors::testkit::ConnectBody::fresh(&client_id).to_json());
+        let (status, body) = http.post("/sync/connect", body).await;
+        assert_eq!(status, 200);
+        let mut tx = store.begin().await.unwrap();
+        let manifest = tx.manifests().await.unwrap().pop().unwrap();
+        drop(tx);
+        let mut replica = Replica::new(manifest);
+        replica.connected(&body).unwrap();
+        let scopes: Vec<String> = replica.scopes.keys().cloned().collect();
+        for s in scopes {
+            let cursor = origin_cursor(store, user, &client_id, 1, &s).await;
+            replica.scopes.get_mut(&s).unwrap().cursor = Some(cursor);
+        }
+        Client {
+            http,
+            replica,
+            user: user.into(),
+            client_id,
+        }
+    }
+
+    /// One pull, applied; (has_more, changes).
+    async fn pull(&mut self, limit: u16) -> (bool, usize) {
+        let body = self.replica.request(&self.client_id, 1, limit);
+        let (status, page) = self.http.post("/sync/pull", body).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+        let a = self.replica.apply(&page).unwrap();
+        assert!(a.mismatched.is_empty() && a.rebuild.is_empty(), "{a:?}");
+        (a.has_more, a.changes)
+    }
+
+    /// One pull whose page is only parsed and its cursors installed: the
+    /// server's cost without the client's verification. Also the round
+    /// trip (request sent to the page's last byte received).
+    async fn pull_cursors(&mut self, limit: u16) -> (bool, usize, Duration) {
+        let body = self.replica.request(&self.client_id, 1, limit);
+        let start = Instant::now();
+        let (status, page) = self.http.post("/sync/pull", body).await;
+        let round_trip = start.elapsed();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+        let v = json::parse(&page).unwrap();
+        let o = v.as_object().unwrap();
+        for (scope, token) in o["scope_cursors"].as_object().unwrap() {
+            let cursor = token.as_str().unwrap().to_owned();
+            self.replica.scopes.get_mut(scope).unwrap().cursor = Some(cursor);
+        }
+        let changes = match &o["changes"] {
+            json::Value::Array(a) => a.len(),
+            _ => panic!("changes"),
+        };
+        (
+            o["has_more"] == json::Value::Bool(true),
+            changes,
+            round_trip,
+        )
+    }
+
+    /// Pulls to a terminal page; the changes seen.
+    async fn sync(&mut self, limit: u16) -> usize {
+        let mut n = 0;
+        loop {
+            let (more, c) = self.pull(limit).await;
+            n += c;
+            if !more {
+                return n;
+            }
+        }
+    }
+}
+
+/// Waits until capture has materialized everything committed so far.
+async fn settle(store: &PgStore) {
+    let target: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    loop {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        if p.end_lsn as i64 >= target
+            || matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn as i64 >= target)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn insert_notes(store: &PgStore, owner: &str, from: usize, n: usize) {
+    sqlx::query(
+        "INSERT INTO public.notes (id, owner_id, title, pinned, updated_at) \
+         SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(g), 12, '0'))::uuid, $1, 'note ' || g, false, \
+                '2026-07-18 14:00:01+00' \
+         FROM generate_series($2::bigint, $3::bigint) g",
+    )
+    .bind(owner)
+    .bind(from as i64)
+    .bind((from + n - 1) as i64)
+    .execute(store.pool())
+    .await
+    .unwrap();
+}
+
+/// The plain SQL read of a scope's effect rows, 1000 per keyset query.
+async fn raw_read(store: &PgStore, scope: &str) -> (Duration, usize) {
+    let start = Instant::now();
+    let mut after = (-1i64, 0i64, 0i64);
+    let mut n = 0;
+    loop {
+        let rows = sqlx::query(
+            "SELECT * FROM synchro.scope_effects WHERE scope_id = $1 \
+             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
+             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT 1000",
+        )
+        .bind(scope)
+        .bind(after.0)
+        .bind(after.1)
+        .bind(after.2)
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        let Some(last) = rows.last() else {
+            return (start.elapsed(), n);
+        };
+        n += rows.len();
+        after = (
+            last.get("commit_lsn"),
+            last.get("event_ordinal"),
+            last.get("effect_ordinal"),
+        );
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = store_pg::example_store(&cluster, "pull_bench").await;
+    let secrets = tempfile::tempdir().unwrap();
+    let secret_file = secrets.path().join("hs256.secret").display().to_string();
+    let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, router(AppState { engine, auth }))
+            .await
+            .unwrap();
+    });
+    println!(
+        "pull over HTTP on PostgreSQL {} (adapter + engine + PgStore)",
+        cluster.dir().display()
+    );
+
+    // A 1,000-row scope, pulled to its end.
+    insert_notes(&store, "steady", 1, SCOPE_ROWS).await;
+    settle(&store).await;
+    let mut c = Client::connect(&store, addr, &secret, "steady").await;
+    assert_eq!(c.sync(1000).await, SCOPE_ROWS);
+    let mut steady = Vec::with_capacity(STEADY_ROUNDS);
+    for _ in 0..STEADY_ROUNDS {
+        let start = Instant::now();
+        let (more, n) = c.pull(1000).await;
+        steady.push(start.elapsed());
+        assert!(!more && n == 0);
+    }
+    steady.sort();
+    println!(
+        "steady pull, unchanged {SCOPE_ROWS}-row scope:      p50 {:>7.3} ms  p99 {:>7.3} ms",
+        ms(percentile(&steady, 0.5)),
+        ms(percentile(&steady, 0.99))
+    );
+
+    // 100 of its rows changed, then one page of 100 changes.
+    let mut changed = Vec::with_capacity(CHANGED_ROUNDS);
+    for r in 0..CHANGED_ROUNDS {
+        sqlx::query(
+            "UPDATE public.notes SET title = $1 WHERE owner_id = 'steady' AND id IN \
+             (SELECT id FROM public.notes WHERE owner_id = 'steady' ORDER BY id LIMIT $2)",
+        )
+        .bind(format!("round {r}"))
+        .bind(CHANGED as i64)
+        .execute(store.pool())
+        .await
+        .unwrap();
+        settle(&store).await;
+        let start = Instant::now();
+        let (more, n) = c.pull(1000).await;
+        changed.push(start.elapsed());
+        assert!(!more && n == CHANGED, "{n}");
+    }
+    changed.sort();
+    println!(
+        "changed pull, {CHANGED} of {SCOPE_ROWS} rows:             p50 {:>7.3} ms  p99 {:>7.3} ms",
+        ms(percentile(&changed, 0.5)),
+        ms(percentile(&changed, 0.99))
+    );
+
+    // Catch-up of 100,000 effects at limit 1000, and the plain read.
+    let catch_up = std::env::var("SYNCHRO_BENCH_CATCH_UP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(CATCH_UP);
+    for batch in 0..(catch_up / 10_000) {
+        insert_notes(&store, "catchup", 1_000_000 + batch * 10_000, 10_000).await;
+    }
+    settle(&store).await;
+    let mut c = Client::connect(&store, addr, &secret, "catchup").await;
+    let start = Instant::now();
+    let mut n = 0;
+    let mut round_trips = Duration::ZERO;
+    loop {
+        let (more, k, rt) = c.pull_cursors(1000).await;
+        n += k;
+        round_trips += rt;
+        if !more {
+            break;
+        }
+    }
+    let pull = start.elapsed();
+    assert_eq!(n, catch_up);
+    let (raw, raw_n) = raw_read(&store, "user:catchup").await;
+    assert_eq!(raw_n, catch_up);
+    println!(
+        "catch-up, {catch_up} effects at limit 1000:   {:>7.0} ms  {:>7.0} changes/s",
+        ms(pull),
+        n as f64 / pull.as_secs_f64()
+    );
+    println!(
+        "  of which HTTP round trips:             {:>7.0} ms",
+        ms(round_trips)
+    );
+    println!(
+        "plain SQL read of the same effect rows:  {:>7.0} ms  round trips/raw {:.2}x",
+        ms(raw),
+        round_trips.as_secs_f64() / raw.as_secs_f64()
+    );
+    let _ = c.user;
+}
