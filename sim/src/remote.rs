@@ -55,6 +55,8 @@ enum Op {
     CaptureHealth,
     ScopeMembers(ScopeId),
     Projections(String, Vec<RowIdentity>),
+    HasStaleProjections(u64),
+    StaleScopeMembers(ScopeId, u64),
     DependencyRowsById(String, Vec<String>),
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
@@ -378,6 +380,13 @@ async fn transaction(
             Op::RecordHeartbeat(b) => (Answer::Unit(tx.record_heartbeat(&b).await), false),
             Op::CaptureHealth => (Answer::Health(tx.capture_health().await), false),
             Op::ScopeMembers(s) => (Answer::Members(tx.scope_members(&s).await), false),
+            Op::HasStaleProjections(v) => {
+                (Answer::Inserted(tx.has_stale_projections(v).await), false)
+            }
+            Op::StaleScopeMembers(scope, v) => (
+                Answer::Projections(tx.stale_scope_members(&scope, v).await),
+                false,
+            ),
             Op::Projections(t, rows) => {
                 (Answer::Projections(tx.projections(&t, &rows).await), false)
             }
@@ -861,6 +870,27 @@ impl StoreTx for RemoteTx {
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         match self.call(Op::Quarantine(q.clone())).await? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn has_stale_projections(&mut self, schema_version: u64) -> Result<bool, StoreError> {
+        match self.call(Op::HasStaleProjections(schema_version)).await? {
+            Answer::Inserted(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn stale_scope_members(
+        &mut self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> Result<Vec<Projection>, StoreError> {
+        match self
+            .call(Op::StaleScopeMembers(scope.clone(), schema_version))
+            .await?
+        {
+            Answer::Projections(r) => r,
             _ => Err(mismatch()),
         }
     }

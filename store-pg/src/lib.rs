@@ -373,6 +373,18 @@ impl StoreTx for PgTx {
         self.read_capture_health().await
     }
 
+    async fn has_stale_projections(&mut self, schema_version: u64) -> Result<bool, StoreError> {
+        self.read_has_stale_projections(schema_version).await
+    }
+
+    async fn stale_scope_members(
+        &mut self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> Result<Vec<Projection>, StoreError> {
+        self.read_stale_scope_members(scope, schema_version).await
+    }
+
     async fn projections(
         &mut self,
         table_id: &str,

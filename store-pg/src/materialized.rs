@@ -304,6 +304,39 @@ impl PgTx {
         .collect()
     }
 
+    pub(crate) async fn read_has_stale_projections(
+        &mut self,
+        schema_version: u64,
+    ) -> Result<bool, StoreError> {
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM synchro.projections WHERE schema_version <> $1)",
+        )
+        .bind(to_i64(schema_version)?)
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)
+    }
+
+    pub(crate) async fn read_stale_scope_members(
+        &mut self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> Result<Vec<Projection>, StoreError> {
+        sqlx::query(
+            "SELECT p.* FROM synchro.scope_members m JOIN synchro.projections p \
+               ON p.table_id = m.table_id AND p.identity = m.identity \
+             WHERE m.scope_id = $1 AND p.schema_version <> $2",
+        )
+        .bind(scope.as_str())
+        .bind(to_i64(schema_version)?)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(projection)
+        .collect()
+    }
+
     pub(crate) async fn read_projections(
         &mut self,
         table_id: &str,

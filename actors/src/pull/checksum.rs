@@ -10,10 +10,12 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use protocol::digest::{Digest, ScopeDigest};
+use protocol::digest::{Digest, ScopeDigest, row_digest};
 use protocol::ids::ScopeId;
+use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
 
+use crate::capture::Projection;
 use crate::store::{StoreError, StoreTx};
 
 /// What determines a scope's digest.
@@ -39,10 +41,11 @@ impl ChecksumCache {
         &self,
         tx: &mut T,
         stream_generation: u64,
-        schema_hash: &Digest,
+        current: &Manifest,
         scope: &ScopeId,
         boundary: Boundary,
     ) -> Result<Digest, StoreError> {
+        let schema_hash = &current.hash();
         // Every effect at or before the boundary is before its transaction end.
         let end = match boundary {
             Boundary::GenerationStart => StreamPosition::GenerationStart,
@@ -64,12 +67,12 @@ impl ChecksumCache {
             #[cfg(debug_assertions)]
             assert_eq!(
                 d,
-                compute(tx, schema_hash, scope).await?,
+                compute(tx, current, scope).await?,
                 "a cached scope digest is the digest"
             );
             return Ok(d);
         }
-        let d = compute(tx, schema_hash, scope).await?;
+        let d = compute(tx, current, scope).await?;
         let mut scopes = self.lock();
         if scopes.len() >= MAX_CACHED_SCOPES {
             scopes.clear();
@@ -86,17 +89,62 @@ impl ChecksumCache {
     }
 }
 
-/// The scope digest over the membership index, in row-identity order.
+/// The scope digest over the membership index, in row-identity order,
+/// under the current manifest: a member whose digest was computed under
+/// another manifest is recomputed from its projection; one the current
+/// manifest cannot represent is an integrity failure.
 async fn compute<T: StoreTx>(
     tx: &mut T,
-    schema_hash: &Digest,
+    current: &Manifest,
     scope: &ScopeId,
 ) -> Result<Digest, StoreError> {
-    let members = tx.scope_members(scope).await?;
-    let mut d = ScopeDigest::new(schema_hash, scope.as_str(), members.len() as u64);
+    let mut members = tx.scope_members(scope).await?;
+    if tx.has_stale_projections(current.schema_version()).await? {
+        let mut fresh = BTreeMap::new();
+        for p in tx
+            .stale_scope_members(scope, current.schema_version())
+            .await?
+        {
+            fresh.insert(p.identity.clone(), reproject(current, &p)?);
+        }
+        for (identity, digest) in &mut members {
+            if let Some(d) = fresh.remove(identity) {
+                *digest = d;
+            }
+        }
+        if !fresh.is_empty() {
+            return Err(StoreError::Integrity(
+                "a stale member outside its scope".into(),
+            ));
+        }
+    }
+    let schema_hash = current.hash();
+    let mut d = ScopeDigest::new(&schema_hash, scope.as_str(), members.len() as u64);
     for (identity, row) in &members {
         d.push(identity, row);
     }
     d.finish()
         .map_err(|e| StoreError::Integrity(format!("scope digest: {e:?}")))
+}
+
+/// A projection's row digest under the current manifest.
+fn reproject(current: &Manifest, p: &Projection) -> Result<Digest, StoreError> {
+    let bad = |what: &str| StoreError::Integrity(format!("a projection {what}"));
+    let table = current
+        .table(&p.table_id)
+        .ok_or_else(|| bad("names a table the manifest lacks"))?;
+    let object = p
+        .row
+        .as_object()
+        .ok_or_else(|| bad("row is not an object"))?;
+    let row = table
+        .decode_row(object)
+        .map_err(|_| bad("row does not fit the current manifest"))?;
+    Ok(row_digest(
+        &current.hash(),
+        table,
+        &p.identity,
+        &row,
+        &p.version,
+    ))
 }

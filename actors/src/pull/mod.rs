@@ -296,13 +296,7 @@ impl<S: Store> Puller<S> {
         for scope in active {
             let d = self
                 .checksums
-                .digest(
-                    tx,
-                    ctx.stream.generation,
-                    &current.hash(),
-                    scope,
-                    ctx.boundary,
-                )
+                .digest(tx, ctx.stream.generation, current, scope, ctx.boundary)
                 .await?;
             sums.insert(scope.clone(), d);
         }

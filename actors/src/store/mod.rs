@@ -185,6 +185,21 @@ pub trait StoreTx: Send {
         scope: &ScopeId,
     ) -> impl Future<Output = Result<Vec<(RowIdentity, Digest)>, StoreError>> + Send;
 
+    /// Whether any projection's digest was computed under another manifest
+    /// than `schema_version`.
+    fn has_stale_projections(
+        &mut self,
+        schema_version: u64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The projections of a scope's members whose digest was computed under
+    /// another manifest than `schema_version`.
+    fn stale_scope_members(
+        &mut self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> impl Future<Output = Result<Vec<Projection>, StoreError>> + Send;
+
     /// The projections of these rows of a table that exist.
     fn projections(
         &mut self,

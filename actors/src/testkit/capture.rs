@@ -712,6 +712,20 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
             .unwrap()
             .is_empty()
     );
+    // Digests under another manifest are found, by scope.
+    assert!(!tx.has_stale_projections(1).await.unwrap());
+    assert!(tx.has_stale_projections(2).await.unwrap());
+    assert_eq!(
+        tx.stale_scope_members(&scope, 2).await.unwrap(),
+        [projection("v1", &["templates_public"])]
+    );
+    assert!(tx.stale_scope_members(&scope, 1).await.unwrap().is_empty());
+    assert!(
+        tx.stale_scope_members(&ScopeId::parse("elsewhere").unwrap(), 2)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(
         tx.dependency_rows_by_identity(
             "public.note_shares",

@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 
 use invariants::pull::{Applied, Replica};
+use protocol::digest::Digest;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 use protocol::token::{CursorBindings, KeyRing, KeyState, ScopeBindings, TokenKey, TokenKind};
@@ -1012,6 +1013,12 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
 /// historical tokens.
 async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
     let store = world.store();
+    let n = pull_note(40);
+    write_settled(
+        world,
+        &[Write::Insert("public.notes", &note(&n, "br-u", "kept"))],
+    )
+    .await;
     let mut c = PullClient::connect(store, engine, "br-u", "br-c").await;
     c.sync(10).await;
     let old = c.body(10);
@@ -1085,6 +1092,13 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
         Value::Array(vec![]),
         "replacements resume"
     );
+    // Its terminal checksum is the scope digest under the current manifest:
+    // the stored digests (computed under the old one) are recomputed.
+    let served = Digest::from_checksum_json(
+        &page.as_object().unwrap()["checksums"].as_object().unwrap()["user:br-u"],
+    )
+    .unwrap();
+    assert_eq!(served, digest_under_current(store, "user:br-u").await);
     // The historical tokens themselves are stale under the current schema.
     let historical: BTreeMap<String, Option<String>> = old_cursors.iter().cloned().collect();
     let r = engine2.pull("br-u", body(&historical, &current), NOW).await;
@@ -1120,4 +1134,38 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
         "an unaffected scope is bridged"
     );
     let _ = (engine2, engine3);
+}
+
+/// A scope's digest under the current manifest, computed here from its
+/// members' projections (independently of the puller).
+async fn digest_under_current<S: Store>(store: &S, scope: &str) -> protocol::digest::Digest {
+    use protocol::digest::{ScopeDigest, row_digest};
+    let scope_id = protocol::ids::ScopeId::parse(scope).unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let manifest = tx.manifests().await.unwrap().pop().unwrap();
+    let members = tx.scope_members(&scope_id).await.unwrap();
+    let ids: Vec<_> = members.iter().map(|(i, _)| i.clone()).collect();
+    let projections = tx.projections("tbl_notes", &ids).await.unwrap();
+    assert_eq!(
+        projections.len(),
+        members.len(),
+        "the scope holds notes only"
+    );
+    let mut d = ScopeDigest::new(&manifest.hash(), scope, members.len() as u64);
+    for (identity, stored) in &members {
+        let p = projections
+            .iter()
+            .find(|p| &p.identity == identity)
+            .unwrap();
+        assert!(
+            p.schema_version < manifest.schema_version(),
+            "stored under an older manifest"
+        );
+        let table = manifest.table(&p.table_id).unwrap();
+        let row = table.decode_row(p.row.as_object().unwrap()).unwrap();
+        let now = row_digest(&manifest.hash(), table, identity, &row, &p.version);
+        assert_ne!(&now, stored, "the manifest is part of every row digest");
+        d.push(identity, &now);
+    }
+    d.finish().unwrap()
 }

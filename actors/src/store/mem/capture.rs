@@ -404,6 +404,39 @@ impl MemTx {
             .collect()
     }
 
+    pub(super) fn has_stale_projections(&self, schema_version: u64) -> bool {
+        self.work
+            .capture
+            .projections
+            .values()
+            .any(|p| p.schema_version != schema_version)
+    }
+
+    pub(super) fn stale_scope_members(
+        &self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> Result<Vec<Projection>, StoreError> {
+        let c = &self.work.capture;
+        let mut stale = Vec::new();
+        for ((s, identity), table_id) in c
+            .members
+            .range((scope.clone(), RowIdentity::from_bytes(Vec::new()))..)
+        {
+            if s != scope {
+                break;
+            }
+            let p = c
+                .projections
+                .get(&(table_id.clone(), identity.clone()))
+                .ok_or(StoreError::Integrity("a member has no projection".into()))?;
+            if p.schema_version != schema_version {
+                stale.push(p.clone());
+            }
+        }
+        Ok(stale)
+    }
+
     pub(super) fn projections(&self, table_id: &str, rows: &[RowIdentity]) -> Vec<Projection> {
         rows.iter()
             .filter_map(|r| {

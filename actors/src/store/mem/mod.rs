@@ -355,6 +355,18 @@ impl StoreTx for MemTx {
         MemTx::scope_members(self, scope)
     }
 
+    async fn has_stale_projections(&mut self, schema_version: u64) -> Result<bool, StoreError> {
+        Ok(MemTx::has_stale_projections(self, schema_version))
+    }
+
+    async fn stale_scope_members(
+        &mut self,
+        scope: &ScopeId,
+        schema_version: u64,
+    ) -> Result<Vec<Projection>, StoreError> {
+        MemTx::stale_scope_members(self, scope, schema_version)
+    }
+
     async fn projections(
         &mut self,
         table_id: &str,
