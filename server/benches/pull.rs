@@ -171,38 +171,50 @@ impl Client {
     }
 }
 
-/// Waits until capture has materialized everything committed so far.
-async fn settle(store: &PgStore) {
-    let target: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+/// Waits until capture has materialized the transaction whose commit
+/// record starts after `lsn`.
+async fn settle(store: &PgStore, lsn: u64) {
     loop {
         let mut tx = store.begin().await.unwrap();
         let p = tx.capture_progress().await.unwrap();
         drop(tx);
-        if p.end_lsn as i64 >= target
-            || matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn as i64 >= target)
-        {
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn) {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
-async fn insert_notes(store: &PgStore, owner: &str, from: usize, n: usize) {
-    sqlx::query(
+/// Runs `sql` in its own transaction; where its commit record will start.
+async fn write(store: &PgStore, sql: &str, text: &str, a: i64, b: i64) -> u64 {
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query(sql)
+        .bind(text)
+        .bind(a)
+        .bind(b)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let lsn: i64 = sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    lsn as u64
+}
+
+async fn insert_notes(store: &PgStore, owner: &str, from: usize, n: usize) -> u64 {
+    write(
+        store,
         "INSERT INTO public.notes (id, owner_id, title, pinned, updated_at) \
          SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(g), 12, '0'))::uuid, $1, 'note ' || g, false, \
                 '2026-07-18 14:00:01+00' \
          FROM generate_series($2::bigint, $3::bigint) g",
+        owner,
+        from as i64,
+        (from + n - 1) as i64,
     )
-    .bind(owner)
-    .bind(from as i64)
-    .bind((from + n - 1) as i64)
-    .execute(store.pool())
     .await
-    .unwrap();
 }
 
 /// The plain SQL read of a scope's effect rows, 1000 per keyset query.
@@ -257,8 +269,8 @@ async fn main() {
     );
 
     // A 1,000-row scope, pulled to its end.
-    insert_notes(&store, "steady", 1, SCOPE_ROWS).await;
-    settle(&store).await;
+    let lsn = insert_notes(&store, "steady", 1, SCOPE_ROWS).await;
+    settle(&store, lsn).await;
     let mut c = Client::connect(&store, addr, &secret, "steady").await;
     assert_eq!(c.sync(1000).await, SCOPE_ROWS);
     let mut steady = Vec::with_capacity(STEADY_ROUNDS);
@@ -278,16 +290,16 @@ async fn main() {
     // 100 of its rows changed, then one page of 100 changes.
     let mut changed = Vec::with_capacity(CHANGED_ROUNDS);
     for r in 0..CHANGED_ROUNDS {
-        sqlx::query(
+        let lsn = write(
+            &store,
             "UPDATE public.notes SET title = $1 WHERE owner_id = 'steady' AND id IN \
-             (SELECT id FROM public.notes WHERE owner_id = 'steady' ORDER BY id LIMIT $2)",
+             (SELECT id FROM public.notes WHERE owner_id = 'steady' ORDER BY id LIMIT $2 + $3)",
+            &format!("round {r}"),
+            CHANGED as i64,
+            0,
         )
-        .bind(format!("round {r}"))
-        .bind(CHANGED as i64)
-        .execute(store.pool())
-        .await
-        .unwrap();
-        settle(&store).await;
+        .await;
+        settle(&store, lsn).await;
         let start = Instant::now();
         let (more, n) = c.pull(1000).await;
         changed.push(start.elapsed());
@@ -305,10 +317,11 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(CATCH_UP);
+    let mut lsn = 0;
     for batch in 0..(catch_up / 10_000) {
-        insert_notes(&store, "catchup", 1_000_000 + batch * 10_000, 10_000).await;
+        lsn = insert_notes(&store, "catchup", 1_000_000 + batch * 10_000, 10_000).await;
     }
-    settle(&store).await;
+    settle(&store, lsn).await;
     let mut c = Client::connect(&store, addr, &secret, "catchup").await;
     let start = Instant::now();
     let mut n = 0;
