@@ -89,20 +89,8 @@ impl Engine {
             Ledger::new(store.clone(), &config, registry.history().clone())
                 .map_err(RegistryError::Config)?,
         );
-        let (push_tx, mut push_rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);
-        let push_permits = Arc::new(Semaphore::new(PARALLEL_PUSHES));
-        tokio::spawn(async move {
-            while let Some(msg) = push_rx.recv().await {
-                let Ok(permit) = push_permits.clone().acquire_owned().await else {
-                    break;
-                };
-                let ledger = ledger.clone();
-                tokio::spawn(async move {
-                    let reply = ledger.push(&msg.user_id, &msg.body, msg.now_micros).await;
-                    let _ = msg.reply.send(reply);
-                    drop(permit);
-                });
-            }
+        let push_tx = serve_requests(ledger, PARALLEL_PUSHES, |ledger, m| async move {
+            ledger.push(&m.user_id, &m.body, m.now_micros).await
         });
         let pull_pages = Arc::new(Semaphore::new(config.server.pull_pages));
         let puller = Arc::new(Puller::new(
@@ -111,20 +99,8 @@ impl Engine {
             registry.keys().clone(),
             pull_pages.clone(),
         ));
-        let (pull_tx, mut pull_rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);
-        let pull_permits = Arc::new(Semaphore::new(PARALLEL_PULLS));
-        tokio::spawn(async move {
-            while let Some(msg) = pull_rx.recv().await {
-                let Ok(permit) = pull_permits.clone().acquire_owned().await else {
-                    break;
-                };
-                let puller = puller.clone();
-                tokio::spawn(async move {
-                    let reply = puller.pull(&msg.user_id, &msg.body, msg.now_micros).await;
-                    let _ = msg.reply.send(reply);
-                    drop(permit);
-                });
-            }
+        let pull_tx = serve_requests(puller, PARALLEL_PULLS, |puller, m| async move {
+            puller.pull(&m.user_id, &m.body, m.now_micros).await
         });
         let limits = MaterializerLimits {
             heartbeat: Duration::from_millis(config.capture.heartbeat_ms),
@@ -294,6 +270,51 @@ impl Engine {
     pub fn capture_status(&self) -> CaptureStatus {
         self.capture.borrow().clone()
     }
+}
+
+/// Runs an actor's requests, at most `parallel` at once (one task each);
+/// when all are busy the bounded inbox makes callers wait.
+fn serve_requests<A, F, Fut>(actor: Arc<A>, parallel: usize, run: F) -> mpsc::Sender<RequestMsg>
+where
+    A: Send + Sync + 'static,
+    F: Fn(Arc<A>, RequestParts) -> Fut + Copy + Send + 'static,
+    Fut: std::future::Future<Output = Reply> + Send + 'static,
+{
+    let (tx, mut rx) = mpsc::channel::<RequestMsg>(REGISTRY_INBOX);
+    let permits = Arc::new(Semaphore::new(parallel));
+    tokio::spawn(async move {
+        while let Some(msg) = rx.recv().await {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                break;
+            };
+            let RequestMsg {
+                user_id,
+                body,
+                now_micros,
+                reply,
+            } = msg;
+            let work = run(
+                actor.clone(),
+                RequestParts {
+                    user_id,
+                    body,
+                    now_micros,
+                },
+            );
+            tokio::spawn(async move {
+                let _ = reply.send(work.await);
+                drop(permit);
+            });
+        }
+    });
+    tx
+}
+
+/// What an actor needs of one request.
+struct RequestParts {
+    user_id: String,
+    body: Vec<u8>,
+    now_micros: i64,
 }
 
 /// The actor is gone: the operation cannot complete.

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub mod capture;
+mod link;
 pub mod pull;
 pub mod push;
 pub mod remote;

@@ -15,7 +15,6 @@
 //! send it; the same checks must then fail.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,7 +26,7 @@ use actors::testkit::{
     origin_cursor, push_config,
 };
 use invariants::pull::{EffectView, Replica};
-use madsim::net::{Endpoint, NetSim};
+use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
 use madsim::time::sleep;
@@ -35,9 +34,8 @@ use protocol::ids::ScopeId;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 
-use crate::{
-    MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros, remote,
-};
+use crate::link::Link;
+use crate::{now_micros, remote};
 
 const CONNECT: u8 = 0;
 const PUSH: u8 = 1;
@@ -113,49 +111,17 @@ async fn server_main() {
     .await;
 }
 
-/// One client's link: sends the identical bytes until an answer comes.
-struct Link {
-    ep: Endpoint,
-    server: SocketAddr,
-    next_id: u64,
-    buf: Vec<u8>,
-}
-
-impl Link {
-    async fn call(
-        &mut self,
-        user: &str,
-        kind: u8,
-        body: &[u8],
-        trace: &Mutex<PullTrace>,
-    ) -> (u16, Vec<u8>) {
-        let mut framed = vec![kind];
-        framed.extend_from_slice(body);
-        loop {
-            self.next_id += 1;
-            let id = self.next_id;
-            let _ = self
-                .ep
-                .send_to(self.server, REQUEST, &encode_request(id, user, &framed))
-                .await;
-            let deadline = sleep(Duration::from_millis(800));
-            tokio::pin!(deadline);
-            loop {
-                tokio::select! {
-                    _ = &mut deadline => break,
-                    got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
-                        let Ok((n, _)) = got else { continue };
-                        if let Some((rid, status, b)) = decode_response(&self.buf[..n])
-                            && rid == id
-                        {
-                            return (status, b);
-                        }
-                    }
-                }
-            }
-            trace.lock().expect("trace").retries += 1;
-        }
-    }
+/// One call, resent until answered; the first answer.
+async fn call(
+    link: &mut Link,
+    user: &str,
+    kind: u8,
+    body: &[u8],
+    trace: &Mutex<PullTrace>,
+) -> (u16, Vec<u8>) {
+    let resent = || trace.lock().expect("trace").retries += 1;
+    let mut answers = link.call(user, kind, body, false, &resent).await;
+    answers.swap_remove(0)
 }
 
 /// One client as the run follows it.
@@ -194,7 +160,7 @@ impl Client {
             .replica
             .request(&self.client_id, self.generation, limit);
         let mut page = loop {
-            let (status, page) = self.link.call(&self.user, PULL, &body, trace).await;
+            let (status, page) = call(&mut self.link, &self.user, PULL, &body, trace).await;
             match status {
                 200 => break page,
                 503 => {
@@ -393,16 +359,11 @@ async fn client_main(
     mutant: Option<Mutant>,
     trace: Arc<Mutex<PullTrace>>,
 ) -> Client {
-    let mut link = Link {
-        ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
-        server: SERVER.parse().expect("address"),
-        next_id: (index as u64) << 40,
-        buf: vec![0u8; MAX_FRAME],
-    };
+    let mut link = Link::bind((index as u64) << 40).await;
     let client_id = format!("pull-client-{index}");
     let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
     let (generation, body) = loop {
-        let (status, body) = link.call(&user, CONNECT, &connect, &trace).await;
+        let (status, body) = call(&mut link, &user, CONNECT, &connect, &trace).await;
         if status == 200 {
             let v = json::parse(&body).expect("json");
             let g = match &v.as_object().expect("object")["client_generation"] {
@@ -470,7 +431,7 @@ async fn push_one(
         ("mutations", Value::Array(vec![m])),
     ]));
     for _ in 0..200 {
-        let (status, _) = c.link.call(&c.user, PUSH, &body, trace).await;
+        let (status, _) = call(&mut c.link, &c.user, PUSH, &body, trace).await;
         if status != 503 {
             return;
         }

@@ -8,7 +8,6 @@
 //! chains.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,7 +17,7 @@ use actors::ledger::contract::WriteTarget;
 use actors::store::{MemStore, Store, StoreTx};
 use actors::testkit::{ConnectBody, note_mutation, push_config};
 use invariants::push::{DirectWrite, PushExchange, VersionChain};
-use madsim::net::{Endpoint, NetSim};
+use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
 use madsim::time::sleep;
@@ -26,9 +25,8 @@ use protocol::ids::ScopeId;
 use protocol::json::{self, Object, Value};
 use protocol::position::StreamPosition;
 
-use crate::{
-    MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros, remote,
-};
+use crate::link::Link;
+use crate::{now_micros, remote};
 
 /// The first body byte names the endpoint.
 const CONNECT: u8 = 0;
@@ -98,86 +96,21 @@ async fn server_main() {
     .await;
 }
 
-/// One client's link to the server.
-struct Link {
-    ep: Endpoint,
-    server: SocketAddr,
-    next_id: u64,
-    buf: Vec<u8>,
-}
-
-impl Link {
-    /// Sends `body` to endpoint `kind` (twice at once when `twice`) and
-    /// returns every answer that arrives: the first, and the duplicate's if
-    /// it comes soon after. Retries the identical bytes until answered.
-    async fn call(
-        &mut self,
-        user: &str,
-        kind: u8,
-        body: &[u8],
-        twice: bool,
-        trace: &Mutex<PushTrace>,
-    ) -> Vec<(u16, Vec<u8>)> {
-        let mut framed = vec![kind];
-        framed.extend_from_slice(body);
-        loop {
-            let ids: Vec<u64> = (0..if twice { 2 } else { 1 })
-                .map(|_| {
-                    self.next_id += 1;
-                    self.next_id
-                })
-                .collect();
-            for id in &ids {
-                let _ = self
-                    .ep
-                    .send_to(self.server, REQUEST, &encode_request(*id, user, &framed))
-                    .await;
-            }
-            let mut answers = Vec::new();
-            let deadline = sleep(Duration::from_millis(800));
-            tokio::pin!(deadline);
-            loop {
-                tokio::select! {
-                    _ = &mut deadline => break,
-                    got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
-                        let Ok((n, _)) = got else { continue };
-                        if let Some((id, status, b)) = decode_response(&self.buf[..n])
-                            && ids.contains(&id)
-                        {
-                            answers.push((status, b));
-                            if answers.len() == ids.len() {
-                                break;
-                            }
-                            // The duplicate's answer may follow: wait a little for it.
-                            deadline.as_mut().reset(madsim::time::Instant::now() + Duration::from_millis(300));
-                        }
-                    }
-                }
-            }
-            if !answers.is_empty() {
-                return answers;
-            }
-            trace.lock().expect("trace").retries += 1;
-        }
-    }
-}
-
 fn text<'v>(v: &'v Value, member: &str) -> Option<&'v str> {
     v.as_object()?.get(member)?.as_str()
 }
 
 /// One client: connect, then sealed batches over its user's note pool.
 async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mutex<PushTrace>>) {
-    let mut link = Link {
-        ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
-        server: SERVER.parse().expect("address"),
-        next_id: (index as u64) << 40,
-        buf: vec![0u8; MAX_FRAME],
-    };
+    let mut link = Link::bind((index as u64) << 40).await;
     let client_id = format!("push-client-{index}");
     let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
     let (generation, schema) = loop {
-        let answers = link.call(&user, CONNECT, &connect, false, &trace).await;
+        let answers = link
+            .call(&user, CONNECT, &connect, false, &|| {
+                trace.lock().expect("trace").retries += 1
+            })
+            .await;
         let Some((200, body)) = answers.into_iter().find(|(s, _)| *s == 200) else {
             sleep(Duration::from_millis(200)).await;
             continue;
@@ -285,7 +218,11 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
                 ));
                 break;
             }
-            let answers = link.call(&user, PUSH, &request, twice, &trace).await;
+            let answers = link
+                .call(&user, PUSH, &request, twice, &|| {
+                    trace.lock().expect("trace").retries += 1
+                })
+                .await;
             let mut done = None;
             for (status, response) in answers {
                 if status == 503 {

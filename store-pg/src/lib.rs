@@ -172,10 +172,21 @@ impl Store for PgStore {
 
     async fn begin_snapshot(&self) -> Result<PgTx, StoreError> {
         let mut tx = self.begin().await?;
+        // The planner cannot estimate how many effects the per-row probe of
+        // `scope_candidates` keeps (nearly all), so it would read every
+        // remaining effect through a bitmap and sort them, instead of
+        // walking the primary key and stopping at the page's limit; and
+        // JIT compiling costs more than these short statements take.
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *tx.tx)
             .await
             .map_err(db_error)?;
+        sqlx::query(
+            "SELECT set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true)",
+        )
+        .execute(&mut *tx.tx)
+        .await
+        .map_err(db_error)?;
         Ok(tx)
     }
 

@@ -1,0 +1,84 @@
+//! A client's link to the server node: request frames over a lossy
+//! datagram link, resent byte for byte until answered.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use madsim::net::Endpoint;
+use madsim::time::sleep;
+
+use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request};
+
+/// One client's link to the server.
+pub(crate) struct Link {
+    ep: Endpoint,
+    server: SocketAddr,
+    next_id: u64,
+    buf: Vec<u8>,
+}
+
+impl Link {
+    /// A link from a new endpoint; request IDs start after `first_id`.
+    pub(crate) async fn bind(first_id: u64) -> Link {
+        Link {
+            ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
+            server: SERVER.parse().expect("address"),
+            next_id: first_id,
+            buf: vec![0u8; MAX_FRAME],
+        }
+    }
+
+    /// Sends `body` to endpoint `kind` (twice at once when `twice`) and
+    /// returns every answer that arrives: the first, and the duplicate's if
+    /// it comes soon after. Retries the identical bytes until answered.
+    pub(crate) async fn call(
+        &mut self,
+        user: &str,
+        kind: u8,
+        body: &[u8],
+        twice: bool,
+        on_resend: &(dyn Fn() + Sync),
+    ) -> Vec<(u16, Vec<u8>)> {
+        let mut framed = vec![kind];
+        framed.extend_from_slice(body);
+        loop {
+            let ids: Vec<u64> = (0..if twice { 2 } else { 1 })
+                .map(|_| {
+                    self.next_id += 1;
+                    self.next_id
+                })
+                .collect();
+            for id in &ids {
+                let _ = self
+                    .ep
+                    .send_to(self.server, REQUEST, &encode_request(*id, user, &framed))
+                    .await;
+            }
+            let mut answers = Vec::new();
+            let deadline = sleep(Duration::from_millis(800));
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    _ = &mut deadline => break,
+                    got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
+                        let Ok((n, _)) = got else { continue };
+                        if let Some((id, status, b)) = decode_response(&self.buf[..n])
+                            && ids.contains(&id)
+                        {
+                            answers.push((status, b));
+                            if answers.len() == ids.len() {
+                                break;
+                            }
+                            // The duplicate's answer may follow: wait a little for it.
+                            deadline.as_mut().reset(madsim::time::Instant::now() + Duration::from_millis(300));
+                        }
+                    }
+                }
+            }
+            if !answers.is_empty() {
+                return answers;
+            }
+            on_resend();
+        }
+    }
+}
