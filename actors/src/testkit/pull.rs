@@ -271,8 +271,29 @@ pub async fn pull_suite<W: CaptureWorld>(world: &W) {
     dedup_merge_and_siblings(world, &engine).await;
     scope_movement(world, &engine).await;
     admission(world, &engine).await;
-    // Last: it appends manifests.
-    schema_bridge(world, &engine).await;
+    // Last: it appends manifests, and then blocks capture.
+    let latest = schema_bridge(world, &engine).await;
+    capture_blocked(world, &latest).await;
+}
+
+/// While capture is quarantined, a pull answers `503 temporary_unavailable`
+/// with reason `capture_blocked`, even with a fence pending.
+async fn capture_blocked<W: CaptureWorld>(world: &W, engine: &Engine) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, engine, "cb-u", "cb-c").await;
+    c.sync(10).await;
+    let lsn = world.write(&[Write::Truncate("public.templates")]).await;
+    let p = settle(store, lsn).await;
+    assert!(p.quarantine.is_some(), "a TRUNCATE blocks capture");
+    let (s, v, after) = c.send(c.body(10)).await;
+    assert_eq!(
+        (s, code(&v), after),
+        (503, "temporary_unavailable", Some(5))
+    );
+    assert_eq!(
+        v.as_object().unwrap()["error"].as_object().unwrap()["reason"],
+        Value::string("capture_blocked")
+    );
 }
 
 /// Every request error, and the precedence between them.
@@ -1011,7 +1032,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
 /// change every kept cursor is replaced, after a Class 3 change only the
 /// unaffected scopes' are; pull accepts the replacements and never the
 /// historical tokens.
-async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
     let store = world.store();
     let n = pull_note(40);
     write_settled(
@@ -1133,7 +1154,8 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) {
         after["templates_public"].is_some(),
         "an unaffected scope is bridged"
     );
-    let _ = (engine2, engine3);
+    drop(engine2);
+    engine3
 }
 
 /// A scope's digest under the current manifest, computed here from its
