@@ -96,7 +96,6 @@ impl Engine {
         let puller = Arc::new(Puller::new(
             store.clone(),
             registry.clone(),
-            registry.keys().clone(),
             pull_pages.clone(),
         ));
         let pull_tx = serve_requests(puller, PARALLEL_PULLS, |puller, m| async move {

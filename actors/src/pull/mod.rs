@@ -19,7 +19,6 @@ use protocol::ids::ScopeId;
 use protocol::json;
 use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
-use protocol::token::KeyRing;
 use protocol::wire::pull::{Change, ChangeOp, PageEnd, PullRequest, PullResponse};
 use protocol::wire::{AssignmentDelta, PrimaryKey, RowImage};
 use tokio::sync::Semaphore;
@@ -38,11 +37,10 @@ use page::ScopeEffects;
 const SNAPSHOT_ATTEMPTS: usize = 4;
 
 /// The pull actor's state: the registry (schema, assignment, membership
-/// generations), the shared token keys, the checksum cache, and admission.
+/// generations, the shared token keys), the checksum cache, and admission.
 pub struct Puller<S: Store> {
     store: S,
     registry: Arc<Registry<S>>,
-    keys: KeyRing,
     checksums: ChecksumCache,
     /// Pages built at once; a pull that finds none free answers 429.
     admission: Arc<Semaphore>,
@@ -57,16 +55,10 @@ struct Resumed<'a> {
 
 impl<S: Store> Puller<S> {
     /// A puller that builds a page only with a permit of `admission`.
-    pub fn new(
-        store: S,
-        registry: Arc<Registry<S>>,
-        keys: KeyRing,
-        admission: Arc<Semaphore>,
-    ) -> Self {
+    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Semaphore>) -> Self {
         Puller {
             store,
             registry,
-            keys,
             checksums: ChecksumCache::default(),
             admission,
         }
@@ -200,7 +192,7 @@ impl<S: Store> Puller<S> {
             .iter()
             .map(|(scope, token)| {
                 let g = membership.generation_of(scope);
-                cursor::judge(&self.keys, ctx, scope, g, token.as_deref())
+                cursor::judge(self.registry.keys(), ctx, scope, g, token.as_deref())
                     .map(|p| (scope.clone(), p))
                     .map_err(|_| ProtocolError::invalid_request("a cursor is not valid"))
             })
@@ -276,7 +268,13 @@ impl<S: Store> Puller<S> {
         for r in resumed {
             if let Some(p) = positions.get(r.scope) {
                 assert!(*p >= r.after, "progress only moves forward");
-                let token = cursor::issue(&self.keys, ctx, r.scope, r.membership_generation, *p);
+                let token = cursor::issue(
+                    self.registry.keys(),
+                    ctx,
+                    r.scope,
+                    r.membership_generation,
+                    *p,
+                );
                 cursors.insert(r.scope.clone(), token);
             }
         }
