@@ -7,7 +7,7 @@ mod push;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -52,6 +52,9 @@ pub struct MemStore {
     log_len: Arc<watch::Sender<usize>>,
     /// Held by the one open feed (the capture leader), like PgStore's advisory lock.
     leader: Arc<AtomicBool>,
+    /// Commits of transactions that wrote checkpoints still to fail
+    /// (a fault a test injects between a pull's writes and its commit).
+    failing_checkpoint_commits: Arc<AtomicUsize>,
 }
 
 impl Default for MemStore {
@@ -83,6 +86,7 @@ impl MemStore {
             })),
             log_len: Arc::new(watch::channel(0).0),
             leader: Arc::new(AtomicBool::new(false)),
+            failing_checkpoint_commits: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -171,6 +175,12 @@ impl MemStore {
             .collect()
     }
 
+    /// Makes the next `n` commits of transactions that wrote checkpoints
+    /// fail as a lost connection would (`Unavailable`), writing nothing.
+    pub fn fail_checkpoint_commits(&self, n: usize) {
+        self.failing_checkpoint_commits.store(n, Ordering::SeqCst);
+    }
+
     /// Retires a client identity (an operator action).
     pub async fn retire_client(&self, client_id: &str) {
         if let Some(c) = self.state.lock().await.clients.get_mut(client_id) {
@@ -186,6 +196,8 @@ pub struct MemTx {
     log_len: Arc<watch::Sender<usize>>,
     /// The state when an atomic group of writes began.
     group: Option<Box<State>>,
+    wrote_checkpoints: bool,
+    failing_checkpoint_commits: Arc<AtomicUsize>,
 }
 
 impl Store for MemStore {
@@ -200,6 +212,8 @@ impl Store for MemStore {
             work,
             log_len: self.log_len.clone(),
             group: None,
+            wrote_checkpoints: false,
+            failing_checkpoint_commits: self.failing_checkpoint_commits.clone(),
         })
     }
 
@@ -465,6 +479,7 @@ impl StoreTx for MemTx {
                 .checkpoints
                 .insert((client_id.to_owned(), scope.clone()), *p);
         }
+        self.wrote_checkpoints = true;
         Ok(())
     }
 
@@ -588,6 +603,14 @@ impl StoreTx for MemTx {
     }
 
     async fn commit(mut self) -> Result<(), StoreError> {
+        let fail = self.wrote_checkpoints
+            && self
+                .failing_checkpoint_commits
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        if fail {
+            return Err(StoreError::Unavailable("the connection was lost".into()));
+        }
         self.work.capture.writer = None;
         let log_len = self.work.capture.commit_source();
         let MemTx {
