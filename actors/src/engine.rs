@@ -197,21 +197,22 @@ impl Engine {
 
     /// `POST /sync/push` for an authenticated user.
     pub async fn push(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
-        let (reply, rx) = oneshot::channel();
-        let msg = RequestMsg {
-            user_id: user_id.to_owned(),
-            body,
-            now_micros,
-            reply,
-        };
-        if self.ledger.send(msg).await.is_err() {
-            return unavailable();
-        }
-        self.watched(rx.await.unwrap_or_else(|_| unavailable()))
+        self.request(&self.ledger, user_id, body, now_micros).await
     }
 
     /// `POST /sync/pull` for an authenticated user.
     pub async fn pull(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        self.request(&self.puller, user_id, body, now_micros).await
+    }
+
+    /// One request to an actor's inbox, and its reply.
+    async fn request(
+        &self,
+        to: &mpsc::Sender<RequestMsg>,
+        user_id: &str,
+        body: Vec<u8>,
+        now_micros: i64,
+    ) -> Reply {
         let (reply, rx) = oneshot::channel();
         let msg = RequestMsg {
             user_id: user_id.to_owned(),
@@ -219,7 +220,7 @@ impl Engine {
             now_micros,
             reply,
         };
-        if self.puller.send(msg).await.is_err() {
+        if to.send(msg).await.is_err() {
             return unavailable();
         }
         self.watched(rx.await.unwrap_or_else(|_| unavailable()))

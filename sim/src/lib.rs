@@ -72,6 +72,28 @@ pub struct Trace {
     pub unavailable: usize,
 }
 
+/// Kills and restarts the server node `crashes` times, each after a pause
+/// drawn from `between` (milliseconds); `crashed` counts each one.
+pub(crate) fn crash_server(
+    crashes: usize,
+    between: std::ops::Range<u64>,
+    crashed: impl Fn() + Send + 'static,
+) -> madsim::task::JoinHandle<()> {
+    let handle = Handle::current();
+    madsim::task::spawn(async move {
+        for _ in 0..crashes {
+            sleep(Duration::from_millis(
+                thread_rng().gen_range(between.clone()),
+            ))
+            .await;
+            handle.kill("server");
+            sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
+            handle.restart("server");
+            crashed();
+        }
+    })
+}
+
 /// `request_id || user_len || user || body`.
 pub(crate) fn encode_request(id: u64, user: &str, body: &[u8]) -> Vec<u8> {
     let mut f = id.to_be_bytes().to_vec();

@@ -369,16 +369,9 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
         )));
     }
     let crasher = {
-        let (handle, trace) = (handle.clone(), trace.clone());
-        let crashes = scenario.server_crashes;
-        madsim::task::spawn(async move {
-            for _ in 0..crashes {
-                sleep(Duration::from_millis(thread_rng().gen_range(200..1200))).await;
-                handle.kill("server");
-                sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
-                handle.restart("server");
-                trace.lock().expect("trace").crashes += 1;
-            }
+        let trace = trace.clone();
+        crate::crash_server(scenario.server_crashes, 200..1200, move || {
+            trace.lock().expect("trace").crashes += 1;
         })
     };
     for c in clients {
