@@ -13,7 +13,6 @@ use actors::store::{MemStore, MemTx, Store, StoreTx};
 use invariants::capture::{
     EffectKind, ObservedEffect, ObservedMembers, ObservedProjection, SourceCommit, SourceWrite,
 };
-use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
 use madsim::time::sleep;
@@ -315,14 +314,7 @@ pub async fn catch_up(store: &MemStore, last: actors::capture::Lsn) -> Result<()
 pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, String> {
     let handle = Handle::current();
     let store = MemStore::with_seed(thread_rng().r#gen());
-    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
-    let database = remote::database_node(&handle, store.clone());
-    let _server = handle
-        .create_node()
-        .name("server")
-        .ip("10.0.0.1".parse().expect("ip"))
-        .init(capture_server)
-        .build();
+    let database = crate::start_nodes(&store, scenario.packet_loss, capture_server);
 
     // Capture is installed before the application writes (as `synchro serve` does at start).
     let config = actors::testkit::example_config(|s| s);

@@ -72,6 +72,30 @@ pub struct Trace {
     pub unavailable: usize,
 }
 
+/// The nodes every scenario runs: the database node serving `store`, and
+/// the server node running `server` (at [`SERVER`]), with every message
+/// lost at `packet_loss`. Returns the database node, for the application.
+pub(crate) fn start_nodes<F, Fut>(
+    store: &MemStore,
+    packet_loss: f64,
+    server: F,
+) -> madsim::runtime::NodeHandle
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + 'static,
+{
+    let handle = Handle::current();
+    NetSim::current().update_config(|c| c.packet_loss_rate = packet_loss);
+    let database = remote::database_node(&handle, store.clone());
+    handle
+        .create_node()
+        .name("server")
+        .ip("10.0.0.1".parse().expect("ip"))
+        .init(server)
+        .build();
+    database
+}
+
 /// Kills and restarts the server node `crashes` times, each after a pause
 /// drawn from `between` (milliseconds); `crashed` counts each one.
 pub(crate) fn crash_server(

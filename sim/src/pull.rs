@@ -35,7 +35,7 @@ use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 
 use crate::link::Link;
-use crate::{now_micros, remote};
+use crate::now_micros;
 
 const CONNECT: u8 = 0;
 const PUSH: u8 = 1;
@@ -538,14 +538,7 @@ async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
 pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
-    let database = remote::database_node(&handle, store.clone());
-    let _server = handle
-        .create_node()
-        .name("server")
-        .ip("10.0.0.1".parse().expect("ip"))
-        .init(server_main)
-        .build();
+    let database = crate::start_nodes(&store, scenario.packet_loss, server_main);
     let trace = Arc::new(Mutex::new(PullTrace::default()));
     store
         .install_capture(&actors::capture::CapturePlan::new(&push_config()))

@@ -17,7 +17,6 @@ use actors::ledger::contract::WriteTarget;
 use actors::store::{MemStore, Store, StoreTx};
 use actors::testkit::{ConnectBody, note_mutation, push_config};
 use invariants::push::{DirectWrite, PushExchange, VersionChain};
-use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
 use madsim::time::sleep;
@@ -26,7 +25,7 @@ use protocol::json::{self, Object, Value};
 use protocol::position::StreamPosition;
 
 use crate::link::Link;
-use crate::{now_micros, remote};
+use crate::now_micros;
 
 /// The first body byte names the endpoint.
 const CONNECT: u8 = 0;
@@ -330,14 +329,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     let handle = Handle::current();
     // The example schema's column types, so pushes are judged as on PostgreSQL.
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    NetSim::current().update_config(|c| c.packet_loss_rate = scenario.packet_loss);
-    let database = remote::database_node(&handle, store.clone());
-    let _server = handle
-        .create_node()
-        .name("server")
-        .ip("10.0.0.1".parse().expect("ip"))
-        .init(server_main)
-        .build();
+    let database = crate::start_nodes(&store, scenario.packet_loss, server_main);
     let trace = Arc::new(Mutex::new(PushTrace::default()));
     let config = push_config();
     let target = actors::ledger::write_targets(&config).remove(0);

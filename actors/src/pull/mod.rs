@@ -237,19 +237,14 @@ impl<S: Store> Puller<S> {
         let mut lists = Vec::with_capacity(resumed.len());
         for r in resumed {
             let list = tx
-                .scope_candidates(r.scope, r.after, ctx.boundary, limit + 1)
+                .scope_candidates(r.scope, r.after, ctx.boundary, ScopeEffects::to_read(limit))
                 .await?;
             lists.push(list);
         }
         let scopes: Vec<ScopeEffects<'_>> = resumed
             .iter()
             .zip(&lists)
-            .map(|(r, l)| ScopeEffects {
-                scope: r.scope,
-                after: r.after,
-                candidates: l,
-                complete: l.len() <= limit,
-            })
+            .map(|(r, l)| ScopeEffects::read(r.scope, r.after, l, limit))
             .collect();
         let page = page::build(&scopes, ctx.boundary, limit);
         let mut positions = page.cursors.clone();

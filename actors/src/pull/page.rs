@@ -36,6 +36,29 @@ pub struct ScopeEffects<'a> {
     pub complete: bool,
 }
 
+impl<'a> ScopeEffects<'a> {
+    /// How many candidates to read for a page of `limit`: one more than any
+    /// page can take from one scope, so a shorter list is all of them.
+    pub fn to_read(limit: usize) -> usize {
+        limit + 1
+    }
+
+    /// A scope's candidates as read with [`ScopeEffects::to_read`].
+    pub fn read(
+        scope: &'a ScopeId,
+        after: StreamPosition,
+        candidates: &'a [Effect],
+        limit: usize,
+    ) -> ScopeEffects<'a> {
+        ScopeEffects {
+            scope,
+            after,
+            candidates,
+            complete: candidates.len() < ScopeEffects::to_read(limit),
+        }
+    }
+}
+
 /// A scope the limit cut: some candidate of it was not taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cut {
@@ -216,17 +239,15 @@ mod tests {
     fn build_raw<'a>(raw: &[Raw<'a>], boundary: Boundary, limit: usize) -> RawPage<'a> {
         let lists: Vec<Vec<Effect>> = raw
             .iter()
-            .map(|r| retained(r.effects).into_iter().take(limit + 1).collect())
+            .map(|r| {
+                let all = retained(r.effects);
+                all.into_iter().take(ScopeEffects::to_read(limit)).collect()
+            })
             .collect();
         let scopes: Vec<ScopeEffects<'_>> = raw
             .iter()
             .zip(&lists)
-            .map(|(r, l)| ScopeEffects {
-                scope: r.scope,
-                after: r.after,
-                candidates: l,
-                complete: l.len() <= limit,
-            })
+            .map(|(r, l)| ScopeEffects::read(r.scope, r.after, l, limit))
             .collect();
         let page = build(&scopes, boundary, limit);
         let mut cursors = page.cursors.clone();
