@@ -25,13 +25,17 @@ impl Digest {
 
     /// 64 lowercase hexadecimal characters.
     pub fn to_hex(&self) -> String {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut s = String::with_capacity(64);
-        for b in self.0 {
-            s.push(HEX[(b >> 4) as usize] as char);
-            s.push(HEX[(b & 0x0f) as usize] as char);
-        }
+        self.write_hex(&mut s);
         s
+    }
+
+    fn write_hex(&self, out: &mut String) {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        for b in self.0 {
+            out.push(HEX[(b >> 4) as usize] as char);
+            out.push(HEX[(b & 0x0f) as usize] as char);
+        }
     }
 
     /// Parses exactly 64 lowercase hexadecimal characters.
@@ -60,6 +64,19 @@ impl Digest {
             ("encoding", Value::string("hex")),
             ("digest", Value::string(self.to_hex())),
         ])
+    }
+
+    /// Appends [`Digest::checksum_json`]'s canonical text to `out`.
+    pub fn write_checksum(&self, out: &mut String) {
+        let mut o = crate::json::ObjectWriter::new(out);
+        o.member("algorithm").push_str("\"sha256\"");
+        let hex = o.member("digest");
+        hex.push('"');
+        self.write_hex(hex);
+        hex.push('"');
+        o.member("encoding").push_str("\"hex\"");
+        o.member("version").push('1');
+        o.finish();
     }
 
     /// Reads a checksum object; `None` for any other shape, member set or alphabet.

@@ -429,6 +429,80 @@ pub fn to_canonical_string(v: &Value) -> String {
     out
 }
 
+/// The canonical serialization of one value, kept as text so that a body
+/// can splice it as it is instead of parsing and rendering it again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Canonical(String);
+
+impl Canonical {
+    /// Renders `v`.
+    pub fn of(v: &Value) -> Canonical {
+        Canonical(to_canonical_string(v))
+    }
+
+    /// Text this system rendered with [`to_canonical_string`] and stored
+    /// (a captured row). Debug builds (every test and the simulator) check
+    /// that it parses and renders back to itself.
+    pub fn stored(text: String) -> Canonical {
+        debug_assert!(
+            parse(text.as_bytes()).is_ok_and(|v| to_canonical_string(&v) == text),
+            "stored text is canonical JSON"
+        );
+        Canonical(text)
+    }
+
+    /// The canonical text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The value again.
+    pub fn to_value(&self) -> Result<Value, JsonError> {
+        parse(self.0.as_bytes())
+    }
+}
+
+/// Writes one object member by member, for bodies too large to build as a
+/// [`Value`] first. The caller gives the members in RFC 8785 order; names
+/// are ASCII, so that order is byte order, and it is asserted.
+pub struct ObjectWriter<'a> {
+    out: &'a mut String,
+    last: Option<&'static str>,
+}
+
+impl<'a> ObjectWriter<'a> {
+    /// Opens an object at the end of `out`.
+    pub fn new(out: &'a mut String) -> ObjectWriter<'a> {
+        out.push('{');
+        ObjectWriter { out, last: None }
+    }
+
+    /// Writes member `name`'s name; the caller appends its canonical value.
+    pub fn member(&mut self, name: &'static str) -> &mut String {
+        assert!(
+            name.is_ascii() && self.last.is_none_or(|l| l < name),
+            "object members are written in canonical order"
+        );
+        if self.last.is_some() {
+            self.out.push(',');
+        }
+        write_string(name, self.out);
+        self.out.push(':');
+        self.last = Some(name);
+        self.out
+    }
+
+    /// Writes member `name` with value `v`.
+    pub fn value(&mut self, name: &'static str, v: &Value) {
+        write_value(v, self.member(name));
+    }
+
+    /// Closes the object.
+    pub fn finish(self) {
+        self.out.push('}');
+    }
+}
+
 /// Appends the RFC 8785 canonical serialization of `v` to `out`.
 pub fn write_value(v: &Value, out: &mut String) {
     match v {

@@ -16,7 +16,7 @@ use protocol::wire::push::{
     TerminalCode,
 };
 use protocol::wire::rebuild::{RebuildEnd, RebuildPage, Record};
-use protocol::wire::{AssignmentDelta, PrimaryKey, RowImage};
+use protocol::wire::{AssignmentDelta, PageRow, PrimaryKey, RowImage};
 
 fn manifest() -> Arc<Manifest> {
     let text = include_str!("fixtures/connect_schema_definition.json");
@@ -141,6 +141,22 @@ fn image() -> RowImage {
         row: json::parse(br#"{"fld_documents_id":"doc-1"}"#).unwrap(),
         checksum: Digest([7; 32]),
     }
+}
+
+fn page_row() -> PageRow {
+    let row = json::parse(br#"{"fld_documents_id":"doc-1","fld_title":"a \"b\"\n"}"#).unwrap();
+    PageRow {
+        row: json::Canonical::of(&row),
+        checksum: Digest([7; 32]),
+    }
+}
+
+/// A body written member by member, parsed: it must be exactly the
+/// canonical rendering of what it parses to.
+fn written(body: &[u8]) -> Value {
+    let v = json::parse(body).unwrap();
+    assert_eq!(json::to_canonical(&v), body, "a written body is canonical");
+    v
 }
 
 fn v(s: &str) -> ServerVersion {
@@ -358,7 +374,7 @@ fn pull_pages() {
             scope: scope("s1"),
             table: "t".into(),
             pk: pk(),
-            op: ChangeOp::Upsert(image()),
+            op: ChangeOp::Upsert(page_row()),
             server_version: v("v1"),
         },
         Change {
@@ -372,19 +388,21 @@ fn pull_pages() {
             scope: scope("s2"),
             table: "t".into(),
             pk: pk(),
-            op: ChangeOp::Delete(Some(image())),
+            op: ChangeOp::Delete(Some(page_row())),
             server_version: v("v3"),
         },
     ];
-    let more = PullResponse {
-        changes: changes.clone(),
-        scope_set_version: 14,
-        scope_cursors: BTreeMap::from([(scope("s1"), "ic1.x.y".to_owned())]),
-        scope_updates: AssignmentDelta::default(),
-        rebuild: vec![],
-        end: PageEnd::More,
-    }
-    .to_json();
+    let more = written(
+        &PullResponse {
+            changes: changes.clone(),
+            scope_set_version: 14,
+            scope_cursors: BTreeMap::from([(scope("s1"), "ic1.x.y".to_owned())]),
+            scope_updates: AssignmentDelta::default(),
+            rebuild: vec![],
+            end: PageEnd::More,
+        }
+        .to_body(),
+    );
     assert_eq!(
         keys(&more),
         [
@@ -430,20 +448,22 @@ fn pull_pages() {
             "table"
         ]
     );
-    let terminal = PullResponse {
-        changes: vec![],
-        scope_set_version: 14,
-        scope_cursors: BTreeMap::new(),
-        scope_updates: AssignmentDelta::default(),
-        rebuild: vec![scope("s2")],
-        end: PageEnd::Terminal {
-            checksums: BTreeMap::from([
-                (scope("s1"), Digest([1; 32])),
-                (scope("s2"), Digest([2; 32])),
-            ]),
-        },
-    }
-    .to_json();
+    let terminal = written(
+        &PullResponse {
+            changes: vec![],
+            scope_set_version: 14,
+            scope_cursors: BTreeMap::new(),
+            scope_updates: AssignmentDelta::default(),
+            rebuild: vec![scope("s2")],
+            end: PageEnd::Terminal {
+                checksums: BTreeMap::from([
+                    (scope("s1"), Digest([1; 32])),
+                    (scope("s2"), Digest([2; 32])),
+                ]),
+            },
+        }
+        .to_body(),
+    );
     assert_eq!(
         keys(&terminal),
         [
@@ -464,16 +484,18 @@ fn rebuild_pages() {
     let record = Record {
         table: "t".into(),
         pk: pk(),
-        image: image(),
+        image: page_row(),
         server_version: v("v"),
     };
     let page = |end| {
-        RebuildPage {
-            scope: scope("documents_shared"),
-            records: vec![record.clone()],
-            end,
-        }
-        .to_json()
+        written(
+            &RebuildPage {
+                scope: scope("documents_shared"),
+                records: vec![record.clone()],
+                end,
+            }
+            .to_body(),
+        )
     };
     let mid = page(RebuildEnd::More {
         cursor: "rc1.a.b".into(),
@@ -503,4 +525,34 @@ fn rebuild_pages() {
         keys(&records[0]),
         ["pk", "row", "row_checksum", "server_version", "table"]
     );
+}
+
+#[test]
+fn written_checksums_and_rows_are_canonical() {
+    for d in [Digest([0; 32]), Digest([0xab; 32])] {
+        let mut text = String::new();
+        d.write_checksum(&mut text);
+        assert_eq!(text.as_bytes(), json::to_canonical(&d.checksum_json()));
+    }
+    let row = json::parse(br#"{"b":1.50,"a":[true,null,"\u00e9"]}"#).unwrap();
+    let c = json::Canonical::of(&row);
+    assert_eq!(c.as_str(), r#"{"a":[true,null,"é"],"b":1.5}"#);
+    assert_eq!(c.to_value().unwrap(), row);
+    assert_eq!(json::Canonical::stored(c.as_str().to_owned()), c);
+}
+
+#[test]
+#[should_panic(expected = "canonical order")]
+fn an_object_writer_refuses_members_out_of_order() {
+    let mut out = String::new();
+    let mut o = json::ObjectWriter::new(&mut out);
+    o.value("b", &Value::Null);
+    o.value("a", &Value::Null);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "stored text is canonical JSON")]
+fn stored_text_must_be_canonical() {
+    json::Canonical::stored(r#"{"b":1,"a":2}"#.to_owned());
 }

@@ -20,7 +20,7 @@ use protocol::json;
 use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
 use protocol::wire::pull::{Change, ChangeOp, PageEnd, PullRequest, PullResponse};
-use protocol::wire::{AssignmentDelta, PrimaryKey, RowImage};
+use protocol::wire::{AssignmentDelta, PageRow, PrimaryKey};
 use tokio::sync::Semaphore;
 
 use crate::capture::{Effect, EffectOp};
@@ -411,9 +411,9 @@ fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
     let table = current
         .table(&e.table_id)
         .ok_or_else(|| bad("names a table the manifest lacks"))?;
-    let image = |r: &crate::capture::CapturedRow| -> Result<RowImage, StoreError> {
-        let row = json::parse(r.row.as_bytes()).map_err(|_| bad("row is not JSON"))?;
+    let image = |r: &crate::capture::CapturedRow| -> Result<PageRow, StoreError> {
         let recompute = || -> Result<Digest, StoreError> {
+            let row = json::parse(r.row.as_bytes()).map_err(|_| bad("row is not JSON"))?;
             let object = row.as_object().ok_or_else(|| bad("row is not an object"))?;
             let decoded = table
                 .decode_row(object)
@@ -434,7 +434,12 @@ fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
         } else {
             recompute()?
         };
-        Ok(RowImage { row, checksum })
+        // The captured text is the materializer's canonical rendering of
+        // the wire row: the page splices it as it is.
+        Ok(PageRow {
+            row: json::Canonical::stored(r.row.clone()),
+            checksum,
+        })
     };
     let op = match &e.op {
         EffectOp::Upsert(r) => ChangeOp::Upsert(image(r)?),

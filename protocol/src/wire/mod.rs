@@ -74,6 +74,15 @@ pub struct PrimaryKey {
 }
 
 impl PrimaryKey {
+    /// Appends `{field_id: value}` to `out`.
+    fn write(&self, out: &mut String) {
+        out.push('{');
+        json::write_string(&self.field_id, out);
+        out.push(':');
+        json::write_value(&self.value, out);
+        out.push('}');
+    }
+
     /// `{field_id: value}`.
     pub fn to_json(&self) -> Value {
         Value::Object(
@@ -90,6 +99,23 @@ pub struct RowImage {
     /// The row object keyed by field ID.
     pub row: Value,
     pub checksum: Digest,
+}
+
+/// A row as a pull or rebuild page carries it: the stored canonical object
+/// text, spliced into the body, and its checksum.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PageRow {
+    /// The row object keyed by field ID.
+    pub row: json::Canonical,
+    pub checksum: Digest,
+}
+
+impl PageRow {
+    /// Writes the `row` and `row_checksum` members.
+    fn write(&self, o: &mut json::ObjectWriter<'_>) {
+        o.member("row").push_str(self.row.as_str());
+        self.checksum.write_checksum(o.member("row_checksum"));
+    }
 }
 
 /// An opaque server-issued token as presented by a client; `None` is JSON null.

@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 use crate::digest::Digest;
 use crate::error::ProtocolError;
 use crate::ids::{ScopeId, ServerVersion};
-use crate::json::{self, Object, Value};
+use crate::json::{self, ObjectWriter, Value};
 use crate::manifest::SchemaRef;
 use crate::members::{self, Members};
 use crate::wire::{
-    AssignmentDelta, PageLimit, PresentedCursor, PrimaryKey, RowImage, client_identity, parse_body,
+    AssignmentDelta, PageLimit, PageRow, PresentedCursor, PrimaryKey, client_identity, parse_body,
     schema_ref, scope_cursors, scope_list,
 };
 
@@ -55,9 +55,9 @@ impl PullRequest {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ChangeOp {
     /// A complete row with its checksum.
-    Upsert(RowImage),
+    Upsert(PageRow),
     /// A local removal (`None`) or an authoritative tombstone row.
-    Delete(Option<RowImage>),
+    Delete(Option<PageRow>),
 }
 
 /// One change of a page.
@@ -71,25 +71,22 @@ pub struct Change {
 }
 
 impl Change {
-    fn to_json(&self) -> Value {
-        let mut o = Object::new();
-        o.insert("scope".into(), Value::string(self.scope.as_str()));
-        o.insert("table".into(), Value::string(&self.table));
-        o.insert("pk".into(), self.pk.to_json());
-        let (op, image) = match &self.op {
-            ChangeOp::Upsert(image) => ("upsert", Some(image)),
-            ChangeOp::Delete(image) => ("delete", image.as_ref()),
+    /// Appends the change object to `out`.
+    fn write(&self, out: &mut String) {
+        let (op, row) = match &self.op {
+            ChangeOp::Upsert(row) => ("upsert", Some(row)),
+            ChangeOp::Delete(row) => ("delete", row.as_ref()),
         };
-        o.insert("op".into(), Value::string(op));
-        if let Some(image) = image {
-            o.insert("row".into(), image.row.clone());
-            o.insert("row_checksum".into(), image.checksum.checksum_json());
+        let mut o = ObjectWriter::new(out);
+        json::write_string(op, o.member("op"));
+        self.pk.write(o.member("pk"));
+        if let Some(row) = row {
+            row.write(&mut o);
         }
-        o.insert(
-            "server_version".into(),
-            Value::string(self.server_version.as_str()),
-        );
-        Value::Object(o)
+        json::write_string(self.scope.as_str(), o.member("scope"));
+        json::write_string(self.server_version.as_str(), o.member("server_version"));
+        json::write_string(&self.table, o.member("table"));
+        o.finish();
     }
 }
 
@@ -117,41 +114,55 @@ pub struct PullResponse {
 }
 
 impl PullResponse {
-    /// The response object.
-    pub fn to_json(&self) -> Value {
+    /// The canonical response body, written member by member: a page holds
+    /// up to 1000 rows, each spliced as its stored text.
+    pub fn to_body(&self) -> Vec<u8> {
+        let rows: usize = self
+            .changes
+            .iter()
+            .map(|c| match &c.op {
+                ChangeOp::Upsert(r) | ChangeOp::Delete(Some(r)) => r.row.as_str().len(),
+                ChangeOp::Delete(None) => 0,
+            })
+            .sum();
+        let mut out = String::with_capacity(512 + rows + 320 * self.changes.len());
+        let mut o = ObjectWriter::new(&mut out);
+        let changes = o.member("changes");
+        changes.push('[');
+        for (k, c) in self.changes.iter().enumerate() {
+            if k > 0 {
+                changes.push(',');
+            }
+            c.write(changes);
+        }
+        changes.push(']');
+        if let PageEnd::Terminal { checksums } = &self.end {
+            let sums = o.member("checksums");
+            sums.push('{');
+            for (k, (scope, d)) in checksums.iter().enumerate() {
+                if k > 0 {
+                    sums.push(',');
+                }
+                json::write_string(scope.as_str(), sums);
+                sums.push(':');
+                d.write_checksum(sums);
+            }
+            sums.push('}');
+        }
+        let more = matches!(self.end, PageEnd::More);
+        o.value("has_more", &Value::Bool(more));
+        o.value("rebuild", &scope_list(&self.rebuild));
         let cursors = self
             .scope_cursors
             .iter()
             .map(|(s, c)| (s.as_str().to_owned(), Value::string(c.clone())));
-        let mut o = Object::new();
-        o.insert(
-            "changes".into(),
-            Value::Array(self.changes.iter().map(Change::to_json).collect()),
+        o.value("scope_cursors", &Value::Object(cursors.collect()));
+        o.value(
+            "scope_set_version",
+            &Value::int(self.scope_set_version as i64),
         );
-        o.insert(
-            "scope_set_version".into(),
-            Value::int(self.scope_set_version as i64),
-        );
-        o.insert("scope_cursors".into(), Value::Object(cursors.collect()));
-        o.insert("scope_updates".into(), self.scope_updates.to_json());
-        o.insert("rebuild".into(), scope_list(&self.rebuild));
-        match &self.end {
-            PageEnd::More => {
-                o.insert("has_more".into(), Value::Bool(true));
-            }
-            PageEnd::Terminal { checksums } => {
-                o.insert("has_more".into(), Value::Bool(false));
-                let sums = checksums
-                    .iter()
-                    .map(|(s, d)| (s.as_str().to_owned(), d.checksum_json()));
-                o.insert("checksums".into(), Value::Object(sums.collect()));
-            }
-        }
-        Value::Object(o)
-    }
-
-    /// The canonical response body.
-    pub fn to_body(&self) -> Vec<u8> {
-        json::to_canonical(&self.to_json())
+        o.value("scope_updates", &self.scope_updates.to_json());
+        o.finish();
+        out.into_bytes()
     }
 }

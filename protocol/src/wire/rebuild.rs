@@ -3,11 +3,11 @@
 use crate::digest::Digest;
 use crate::error::ProtocolError;
 use crate::ids::{CanonicalUuid, ScopeId, ServerVersion};
-use crate::json::{self, Object, Value};
+use crate::json::{self, ObjectWriter, Value};
 use crate::manifest::SchemaRef;
 use crate::members::{Members, ShapeError};
 use crate::wire::{
-    PageLimit, PresentedCursor, PrimaryKey, RowImage, client_identity, parse_body, schema_ref,
+    PageLimit, PageRow, PresentedCursor, PrimaryKey, client_identity, parse_body, schema_ref,
     scope_id, token,
 };
 
@@ -65,7 +65,7 @@ impl RebuildRequest {
 pub struct Record {
     pub table: String,
     pub pk: PrimaryKey,
-    pub image: RowImage,
+    pub image: PageRow,
     pub server_version: ServerVersion,
 }
 
@@ -90,43 +90,42 @@ pub struct RebuildPage {
 }
 
 impl RebuildPage {
-    /// The response object.
-    pub fn to_json(&self) -> Value {
-        let records = self.records.iter().map(|r| {
-            json::object([
-                ("table", Value::string(&r.table)),
-                ("pk", r.pk.to_json()),
-                ("row", r.image.row.clone()),
-                ("row_checksum", r.image.checksum.checksum_json()),
-                ("server_version", Value::string(r.server_version.as_str())),
-            ])
-        });
-        let mut o = Object::new();
-        o.insert("scope".into(), Value::string(self.scope.as_str()));
-        o.insert("records".into(), Value::Array(records.collect()));
-        match &self.end {
-            RebuildEnd::More { cursor } => {
-                o.insert("cursor".into(), Value::string(cursor.clone()));
-                o.insert("has_more".into(), Value::Bool(true));
-            }
-            RebuildEnd::Final {
-                final_scope_cursor,
-                checksum,
-            } => {
-                o.insert("cursor".into(), Value::Null);
-                o.insert("has_more".into(), Value::Bool(false));
-                o.insert(
-                    "final_scope_cursor".into(),
-                    Value::string(final_scope_cursor.clone()),
-                );
-                o.insert("checksum".into(), checksum.checksum_json());
-            }
-        }
-        Value::Object(o)
-    }
-
-    /// The canonical response body (stored and replayed byte-exactly).
+    /// The canonical response body (stored and replayed byte-exactly),
+    /// written member by member with each row spliced as its stored text.
     pub fn to_body(&self) -> Vec<u8> {
-        json::to_canonical(&self.to_json())
+        let mut out = String::with_capacity(512);
+        let mut o = ObjectWriter::new(&mut out);
+        if let RebuildEnd::Final { checksum, .. } = &self.end {
+            checksum.write_checksum(o.member("checksum"));
+        }
+        match &self.end {
+            RebuildEnd::More { cursor } => json::write_string(cursor, o.member("cursor")),
+            RebuildEnd::Final { .. } => o.value("cursor", &Value::Null),
+        }
+        if let RebuildEnd::Final {
+            final_scope_cursor, ..
+        } = &self.end
+        {
+            json::write_string(final_scope_cursor, o.member("final_scope_cursor"));
+        }
+        let more = matches!(self.end, RebuildEnd::More { .. });
+        o.value("has_more", &Value::Bool(more));
+        let records = o.member("records");
+        records.push('[');
+        for (k, r) in self.records.iter().enumerate() {
+            if k > 0 {
+                records.push(',');
+            }
+            let mut record = ObjectWriter::new(records);
+            r.pk.write(record.member("pk"));
+            r.image.write(&mut record);
+            json::write_string(r.server_version.as_str(), record.member("server_version"));
+            json::write_string(&r.table, record.member("table"));
+            record.finish();
+        }
+        records.push(']');
+        json::write_string(self.scope.as_str(), o.member("scope"));
+        o.finish();
+        out.into_bytes()
     }
 }
