@@ -2,7 +2,7 @@
 //! rows and scope effects. One statement per operation; a materialization
 //! writes each kind of row with one `UNNEST` insert.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use actors::capture::{
     CaptureHealth, CaptureProblem, CaptureProgress, CapturedRow, DependencyRow, Effect, EffectOp,
@@ -112,51 +112,52 @@ fn dependency(r: &PgRow) -> Result<DependencyRow, StoreError> {
     })
 }
 
+/// The columns [`effect`] reads, in its order.
+pub(crate) const EFFECT_COLUMNS: &str = "scope_id, commit_lsn, event_ordinal, effect_ordinal, \
+     table_id, identity, key_json, op, row_json, version, digest, schema_version";
+
+/// An effect read with [`EFFECT_COLUMNS`] (by position: a page reads a
+/// thousand of them).
 pub(crate) fn effect(r: &PgRow) -> Result<Effect, StoreError> {
     let get = |e: sqlx::Error| db_error(e);
-    let key: String = r.try_get("key_json").map_err(get)?;
-    let row_json: Option<String> = r.try_get("row_json").map_err(get)?;
+    let version_text: Option<&str> = r.try_get(9).map_err(get)?;
+    let row_json: Option<String> = r.try_get(8).map_err(get)?;
     let captured = match row_json {
         None => None,
         Some(row) => Some(CapturedRow {
             row,
-            version: version(
-                r.try_get::<Option<&str>, _>("version")
-                    .map_err(get)?
-                    .ok_or_else(|| integrity("effect version"))?,
-            )?,
+            version: version(version_text.ok_or_else(|| integrity("effect version"))?)?,
             digest: digest(
-                r.try_get::<Option<&[u8]>, _>("digest")
+                r.try_get::<Option<&[u8]>, _>(10)
                     .map_err(get)?
                     .ok_or_else(|| integrity("effect digest"))?,
             )?,
             schema_version: r
-                .try_get::<Option<i64>, _>("schema_version")
+                .try_get::<Option<i64>, _>(11)
                 .map_err(get)?
                 .map(to_u64)
                 .transpose()?,
         }),
     };
-    let op = match (r.try_get::<i16, _>("op").map_err(get)?, captured) {
+    let op = match (r.try_get::<i16, _>(7).map_err(get)?, captured) {
         (0, Some(c)) => EffectOp::Upsert(c),
         (1, Some(c)) => EffectOp::Tombstone(c),
         // A delete without a row still has its version (not one made before
         // migration 0006, whose deletes had none).
         (1, None) => EffectOp::Remove(version(
-            r.try_get::<Option<&str>, _>("version")
-                .map_err(get)?
-                .ok_or_else(|| integrity("a delete effect without its version"))?,
+            version_text.ok_or_else(|| integrity("a delete effect without its version"))?,
         )?),
         _ => return Err(integrity("effect op")),
     };
-    let scope: String = r.try_get("scope_id").map_err(get)?;
+    let scope: &str = r.try_get(0).map_err(get)?;
+    let key: &str = r.try_get(6).map_err(get)?;
     Ok(Effect {
-        scope: ScopeId::parse(&scope).ok_or_else(|| integrity("scope id"))?,
-        commit_lsn: to_u64(r.try_get("commit_lsn").map_err(get)?)?,
-        event_ordinal: to_u64(r.try_get("event_ordinal").map_err(get)?)?,
-        effect_ordinal: to_u64(r.try_get("effect_ordinal").map_err(get)?)?,
-        table_id: r.try_get("table_id").map_err(get)?,
-        identity: RowIdentity::from_bytes(r.try_get("identity").map_err(get)?),
+        scope: ScopeId::parse(scope).ok_or_else(|| integrity("scope id"))?,
+        commit_lsn: to_u64(r.try_get(1).map_err(get)?)?,
+        event_ordinal: to_u64(r.try_get(2).map_err(get)?)?,
+        effect_ordinal: to_u64(r.try_get(3).map_err(get)?)?,
+        table_id: r.try_get(4).map_err(get)?,
+        identity: RowIdentity::from_bytes(r.try_get(5).map_err(get)?),
         key: json::parse(key.as_bytes()).map_err(|_| integrity("effect key"))?,
         op,
     })
@@ -285,10 +286,10 @@ impl PgTx {
         &mut self,
         scope: &ScopeId,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        // An index-only range scan of the primary key, in identity order.
         sqlx::query(
-            "SELECT m.identity, p.digest FROM synchro.scope_members m \
-             LEFT JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
-             WHERE m.scope_id = $1 ORDER BY m.identity",
+            "SELECT identity, digest FROM synchro.scope_members \
+             WHERE scope_id = $1 ORDER BY identity",
         )
         .bind(scope.as_str())
         .fetch_all(&mut *self.tx)
@@ -297,9 +298,8 @@ impl PgTx {
         .iter()
         .map(|r| {
             let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
-            let d: Option<Vec<u8>> = r.try_get(1).map_err(db_error)?;
-            let d = d.ok_or_else(|| integrity("a member has no projection"))?;
-            Ok((RowIdentity::from_bytes(identity), digest(&d)?))
+            let d: &[u8] = r.try_get(1).map_err(db_error)?;
+            Ok((RowIdentity::from_bytes(identity), digest(d)?))
         })
         .collect()
     }
@@ -526,11 +526,44 @@ impl PgTx {
                     ))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
+            // Each row's new effect supersedes its earlier ones in that
+            // scope: those stored, and those earlier in this batch.
+            sqlx::query(
+                "UPDATE synchro.scope_effects e SET superseded = true \
+                 FROM UNNEST($1::text[], $2::text[], $3::bytea[]) AS u(s, t, i) \
+                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i \
+                 AND NOT e.superseded",
+            )
+            .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| e.table_id.as_str()).collect::<Vec<_>>())
+            .bind(e.iter().map(|e| e.identity.as_bytes()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+            let mut last = std::collections::HashMap::new();
+            for (k, e) in e.iter().enumerate() {
+                let key = (e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes());
+                let newer = last
+                    .get(&key)
+                    .is_none_or(|&j: &usize| positions[j] < positions[k]);
+                if newer {
+                    last.insert(key, k);
+                }
+            }
+            let superseded: Vec<bool> = e
+                .iter()
+                .enumerate()
+                .map(|(k, e)| {
+                    last.get(&(e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes()))
+                        != Some(&k)
+                })
+                .collect();
             sqlx::query(
                 "INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
-                 table_id, identity, key_json, op, row_json, version, digest, schema_version) \
+                 table_id, identity, key_json, op, row_json, version, digest, schema_version, superseded) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
-                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[])",
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[], \
+                 $13::bool[])",
             )
             .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
             .bind(positions.iter().map(|p| p.0).collect::<Vec<_>>())
@@ -555,6 +588,7 @@ impl PgTx {
                     .map(|r| r.and_then(|c| c.schema_version).map(to_i64).transpose())
                     .collect::<Result<Vec<_>, _>>()?,
             )
+            .bind(superseded)
             .execute(&mut *tx)
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;
@@ -594,12 +628,12 @@ impl PgTx {
     ) -> Result<Vec<Effect>, StoreError> {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
-        sqlx::query(
-            "SELECT * FROM synchro.scope_effects WHERE scope_id = $1 \
+        sqlx::query(&format!(
+            "SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 \
              AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
              AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
-             ORDER BY commit_lsn, event_ordinal, effect_ordinal",
-        )
+             ORDER BY commit_lsn, event_ordinal, effect_ordinal"
+        ))
         .bind(scope.as_str())
         .bind(a.0)
         .bind(a.1)
@@ -616,9 +650,9 @@ impl PgTx {
     }
 }
 
-/// Applies the group's membership changes to the index: two statements,
-/// whatever the size, and none when no row changed scopes. A row that
-/// leaves a scope it is not in, or joins one it is in, means the
+/// Applies the group's membership changes to the index, each member with
+/// its row's digest: at most three statements, whatever the size. A row
+/// that leaves a scope it is not in, or joins one it is in, means the
 /// materializer's view of prior state was wrong: an integrity failure.
 async fn write_members(tx: &mut sqlx::PgConnection, m: &Materialization) -> Result<(), StoreError> {
     if !m.left.is_empty() {
@@ -640,10 +674,33 @@ async fn write_members(tx: &mut sqlx::PgConnection, m: &Materialization) -> Resu
             return Err(integrity("a row left a scope it was not in"));
         }
     }
+    // Every row the group wrote: a member joins with its digest, and a row
+    // that stayed in a scope gets its new one.
+    let written: HashMap<(&str, &[u8]), &Projection> = m
+        .new_projections
+        .iter()
+        .chain(&m.put_projections)
+        .map(|p| ((p.table_id.as_str(), p.identity.as_bytes()), p))
+        .collect();
+    let joined: HashSet<(&str, &[u8])> = m
+        .joined
+        .iter()
+        .map(|j| (j.scope.as_str(), j.identity.as_bytes()))
+        .collect();
     if !m.joined.is_empty() {
+        let digests = m
+            .joined
+            .iter()
+            .map(|j| {
+                written
+                    .get(&(j.table_id.as_str(), j.identity.as_bytes()))
+                    .map(|p| p.digest.0.to_vec())
+                    .ok_or_else(|| integrity("a row joined a scope without its projection"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         sqlx::query(
-            "INSERT INTO synchro.scope_members (scope_id, identity, table_id) \
-             SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[])",
+            "INSERT INTO synchro.scope_members (scope_id, identity, table_id, digest) \
+             SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::text[], $4::bytea[])",
         )
         .bind(
             m.joined
@@ -663,9 +720,42 @@ async fn write_members(tx: &mut sqlx::PgConnection, m: &Materialization) -> Resu
                 .map(|j| j.table_id.as_str())
                 .collect::<Vec<_>>(),
         )
+        .bind(digests)
         .execute(&mut *tx)
         .await
         .map_err(unique_is_integrity("a row joined a scope it was in"))?;
+    }
+    let stayed: Vec<(&str, &Projection)> = m
+        .put_projections
+        .iter()
+        .flat_map(|p| p.scopes.iter().map(move |s| (s.as_str(), p)))
+        .filter(|(s, p)| !joined.contains(&(*s, p.identity.as_bytes())))
+        .collect();
+    if !stayed.is_empty() {
+        let done = sqlx::query(
+            "UPDATE synchro.scope_members m SET digest = u.d \
+             FROM UNNEST($1::text[], $2::bytea[], $3::bytea[]) AS u(s, i, d) \
+             WHERE m.scope_id = u.s AND m.identity = u.i",
+        )
+        .bind(stayed.iter().map(|(s, _)| *s).collect::<Vec<_>>())
+        .bind(
+            stayed
+                .iter()
+                .map(|(_, p)| p.identity.as_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            stayed
+                .iter()
+                .map(|(_, p)| p.digest.0.to_vec())
+                .collect::<Vec<_>>(),
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        if done.rows_affected() != stayed.len() as u64 {
+            return Err(integrity("a row stayed in a scope it was not in"));
+        }
     }
     Ok(())
 }

@@ -13,7 +13,7 @@ use protocol::position::{Boundary, StreamPosition};
 use protocol::token::{KeyState, TokenKey, TokenKind};
 use sqlx::Row;
 
-use crate::materialized::{bounds, effect, to_i64, to_u64};
+use crate::materialized::{EFFECT_COLUMNS, bounds, effect, to_i64, to_u64};
 use crate::{PgTx, db_error};
 
 fn integrity(what: &str) -> StoreError {
@@ -246,19 +246,15 @@ impl PgTx {
     ) -> Result<Vec<Effect>, StoreError> {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
-        // The effects in position order (the primary key), each kept only
-        // if a probe of the row index finds no later effect of its row: a
-        // scalar subquery, so that the plan stays a per-row probe and stops
-        // at `max`, never an anti-join over every remaining effect.
+        // A range of the index of effects no later effect of their row
+        // supersedes. Every superseding effect the snapshot holds is at or
+        // before `through` (its boundary), so none past it hides a
+        // candidate.
         sqlx::query(
-            "SELECT * FROM synchro.scope_effects e WHERE e.scope_id = $1 \
-             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) > ($2, $3, $4) \
-             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) <= ($5, $6, $7) \
-             AND (SELECT 1 FROM synchro.scope_effects l \
-               WHERE l.scope_id = e.scope_id AND l.table_id = e.table_id AND l.identity = e.identity \
-               AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) > (e.commit_lsn, e.event_ordinal, e.effect_ordinal) \
-               AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) <= ($5, $6, $7) LIMIT 1) IS NULL \
-             ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT $8",
+            &format!("SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 AND NOT superseded \
+             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
+             AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
+             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT $8"),
         )
         .bind(scope.as_str())
         .bind(a.0)

@@ -75,3 +75,106 @@ async fn an_unrepresentable_row_is_an_integrity_failure() {
     );
     assert!(engine.integrity_failed(), "readiness latched off");
 }
+
+/// A pull's transaction is one snapshot: a materialization that commits
+/// while it is open changes nothing it reads (progress, candidates,
+/// members), and the next snapshot sees all of it.
+#[tokio::test]
+async fn a_pull_snapshot_sees_one_state() {
+    use actors::Engine;
+    use actors::store::{Store, StoreTx};
+    use actors::testkit::{CaptureWorld, Write, note_row, pull_note, push_config};
+    use protocol::ids::ScopeId;
+    let cluster = PgCluster::temp().unwrap();
+    let world = PgWorld {
+        store: example_store(&cluster, "pull_snapshot").await,
+    };
+    let _engine = Engine::start(world.store.clone(), push_config())
+        .await
+        .unwrap();
+    let store = &world.store;
+    let scope = ScopeId::parse("user:su").unwrap();
+    let settled_past = |before: actors::capture::CaptureProgress| async move {
+        for _ in 0..1000 {
+            let mut tx = store.begin().await.unwrap();
+            let p = tx.capture_progress().await.unwrap();
+            if p.boundary != before.boundary {
+                return p;
+            }
+            drop(tx);
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("capture did not move");
+    };
+    let start = store
+        .begin()
+        .await
+        .unwrap()
+        .capture_progress()
+        .await
+        .unwrap();
+    let first = pull_note(1);
+    world
+        .write(&[Write::Insert(
+            "public.notes",
+            &note_row(&first, "su", "one"),
+        )])
+        .await;
+    let one = settled_past(start).await;
+    let one_boundary = one.boundary;
+
+    let mut snapshot = store.begin_snapshot().await.unwrap();
+    let seen = snapshot.capture_progress().await.unwrap();
+    assert_eq!(seen.boundary, one_boundary);
+    let before = pull_state(&mut snapshot, &scope, seen.boundary).await;
+    assert_eq!((before.0.len(), before.1.len()), (1, 1));
+    // Another row, and a change of the first, commit meanwhile.
+    world
+        .write(&[
+            Write::Insert("public.notes", &note_row(&pull_note(2), "su", "two")),
+            Write::Update(
+                "public.notes",
+                &[("id", first.as_str())],
+                &[("title", Some("changed"))],
+            ),
+        ])
+        .await;
+    let two = settled_past(one).await;
+    assert_eq!(
+        snapshot.capture_progress().await.unwrap().boundary,
+        one_boundary
+    );
+    assert_eq!(
+        pull_state(&mut snapshot, &scope, seen.boundary).await,
+        before,
+        "the snapshot is unchanged"
+    );
+    snapshot.commit().await.unwrap();
+
+    let mut next = store.begin_snapshot().await.unwrap();
+    assert_eq!(
+        next.capture_progress().await.unwrap().boundary,
+        two.boundary
+    );
+    let after = pull_state(&mut next, &scope, two.boundary).await;
+    assert_eq!((after.0.len(), after.1.len()), (2, 2), "{after:?}");
+    assert_ne!(after.1, before.1);
+}
+
+/// What a pull reads of one scope at `boundary`: its candidates and members.
+async fn pull_state(
+    tx: &mut store_pg::PgTx,
+    scope: &protocol::ids::ScopeId,
+    boundary: protocol::position::Boundary,
+) -> (
+    Vec<actors::capture::Effect>,
+    Vec<(protocol::digest::RowIdentity, protocol::digest::Digest)>,
+) {
+    use actors::store::StoreTx;
+    let start = protocol::position::StreamPosition::GenerationStart;
+    let candidates = tx
+        .scope_candidates(scope, start, boundary, 10)
+        .await
+        .unwrap();
+    (candidates, tx.scope_members(scope).await.unwrap())
+}

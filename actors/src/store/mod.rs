@@ -276,9 +276,10 @@ pub trait StoreTx: Send {
         client_id: &str,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// A scope's retained pull candidates after `after` and through
-    /// `through`: the effects no later effect of the same row through
-    /// `through` supersedes, in position order, at most `max` of them.
+    /// A scope's retained pull candidates after `after`: the effects no
+    /// later effect of the same row supersedes, in position order, at most
+    /// `max` of them. `through` is the snapshot's boundary: the snapshot
+    /// holds every effect through it and none past it.
     fn scope_candidates(
         &mut self,
         scope: &ScopeId,

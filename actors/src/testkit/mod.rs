@@ -17,7 +17,7 @@ pub use capture::{
     truncate_blocks,
 };
 pub use pull::{
-    PullClient, cursor_bindings, cursor_position, mint_cursor, origin_cursor, pull_note,
+    PullClient, cursor_bindings, cursor_position, mint_cursor, note_row, origin_cursor, pull_note,
     pull_store_suite, pull_suite,
 };
 pub use push::{

@@ -31,8 +31,12 @@ use crate::stream::{Checkpoint, MembershipLineage, load_key_ring};
 const NOW: i64 = super::NOW;
 const T: &str = "2026-07-18 14:00:01.5+00";
 
-/// A note row with this title.
-fn note<'a>(id: &'a str, owner: &'a str, title: &'a str) -> [(&'a str, Option<&'a str>); 7] {
+/// A note of `owner` with this title, in the example app's text forms.
+pub fn note_row<'a>(
+    id: &'a str,
+    owner: &'a str,
+    title: &'a str,
+) -> [(&'a str, Option<&'a str>); 7] {
     [
         ("id", Some(id)),
         ("owner_id", Some(owner)),
@@ -550,8 +554,8 @@ async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, engine: &Engine) {
     write_settled(
         world,
         &[
-            Write::Insert("public.notes", &note(&n1, "da-u", "one")),
-            Write::Insert("public.notes", &note(&n2, "da-u", "two")),
+            Write::Insert("public.notes", &note_row(&n1, "da-u", "one")),
+            Write::Insert("public.notes", &note_row(&n2, "da-u", "two")),
         ],
     )
     .await;
@@ -592,7 +596,7 @@ async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
     // One row changed three times: one change, its last state.
     write_settled(
         world,
-        &[Write::Insert("public.notes", &note(&n3, "dm-u", "a"))],
+        &[Write::Insert("public.notes", &note_row(&n3, "dm-u", "a"))],
     )
     .await;
     for t in ["b", "c"] {
@@ -614,7 +618,7 @@ async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
     write_settled(
         world,
         &[
-            Write::Insert("public.notes", &note(&n4, "dm-u", "shared")),
+            Write::Insert("public.notes", &note_row(&n4, "dm-u", "shared")),
             Write::Insert(
                 "public.note_shares",
                 &[("note_id", Some(&n4)), ("team_id", Some("dm"))],
@@ -654,7 +658,7 @@ async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
             world,
             &[Write::Insert(
                 "public.notes",
-                &note(&pull_note(10 + i), "dm-u", &title),
+                &note_row(&pull_note(10 + i), "dm-u", &title),
             )],
         )
         .await;
@@ -692,7 +696,7 @@ async fn scope_movement<W: CaptureWorld>(world: &W, engine: &Engine) {
     let n = pull_note(20);
     write_settled(
         world,
-        &[Write::Insert("public.notes", &note(&n, "sm-u", "x"))],
+        &[Write::Insert("public.notes", &note_row(&n, "sm-u", "x"))],
     )
     .await;
     // Enters the team scope; lives in both.
@@ -952,7 +956,19 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         key: Value::int(i64::from(k)),
         op: EffectOp::Upsert(row.clone()),
     };
+    let through = |lsn| Boundary::TransactionEnd { commit_lsn: lsn };
+    let start = StreamPosition::GenerationStart;
     for (lsn, k) in [(100, 1), (200, 2), (300, 1)] {
+        if lsn == 300 {
+            // A snapshot at 200 holds row 1's effect at 100 as its last.
+            let mut tx = store.begin().await.unwrap();
+            let c = tx
+                .scope_candidates(&s1, start, through(200), 10)
+                .await
+                .unwrap();
+            assert_eq!(c, [effect(100, 1), effect(200, 2)], "the snapshot at 200");
+            drop(tx);
+        }
         let m = Materialization {
             commit_lsn: lsn,
             end_lsn: lsn + 8,
@@ -968,8 +984,6 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         tx.materialize(&m).await.unwrap();
         tx.commit().await.unwrap();
     }
-    let through = |lsn| Boundary::TransactionEnd { commit_lsn: lsn };
-    let start = StreamPosition::GenerationStart;
     let mut tx = store.begin().await.unwrap();
     let c = tx
         .scope_candidates(&s1, start, through(300), 10)
@@ -979,15 +993,6 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         c,
         [effect(200, 2), effect(300, 1)],
         "row 1 at 100 is covered"
-    );
-    let c = tx
-        .scope_candidates(&s1, start, through(200), 10)
-        .await
-        .unwrap();
-    assert_eq!(
-        c,
-        [effect(100, 1), effect(200, 2)],
-        "only through the boundary"
     );
     let c = tx
         .scope_candidates(&s1, start, through(300), 1)
@@ -1026,6 +1031,35 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             .unwrap(),
         None
     );
+    drop(tx);
+    // Two effects of one row in one materialization: the later supersedes
+    // the earlier, and the row's effect at 300 too.
+    let m = Materialization {
+        commit_lsn: 500,
+        end_lsn: 508,
+        transactions: [400, 500]
+            .map(|lsn| MaterializedTransaction {
+                commit_lsn: lsn,
+                end_lsn: lsn + 8,
+                row_events: 1,
+            })
+            .to_vec(),
+        effects: vec![effect(400, 1), effect(500, 1)],
+        ..Materialization::default()
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(&m).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let c = tx
+        .scope_candidates(&s1, start, through(500), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        c,
+        [effect(200, 2), effect(500, 1)],
+        "within one materialization"
+    );
 }
 
 /// Connect's same-position current-schema replacement: after a Class 2
@@ -1037,7 +1071,7 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
     let n = pull_note(40);
     write_settled(
         world,
-        &[Write::Insert("public.notes", &note(&n, "br-u", "kept"))],
+        &[Write::Insert("public.notes", &note_row(&n, "br-u", "kept"))],
     )
     .await;
     let mut c = PullClient::connect(store, engine, "br-u", "br-c").await;

@@ -566,14 +566,34 @@ impl MemTx {
         through: Boundary,
         max: usize,
     ) -> Vec<Effect> {
-        let effects = self.scope_effects(scope, after, through);
-        // The last effect of each row wins.
+        let effects: Vec<&Effect> = self
+            .work
+            .capture
+            .effects
+            .range((
+                Bound::Excluded((scope.clone(), after)),
+                Bound::Included((
+                    scope.clone(),
+                    StreamPosition::TransactionEnd {
+                        commit_lsn: u64::MAX,
+                    },
+                )),
+            ))
+            .map(|(_, e)| e)
+            .collect();
+        assert!(
+            effects
+                .last()
+                .is_none_or(|e| e.position() <= StreamPosition::from(through)),
+            "a snapshot holds nothing past its boundary"
+        );
+        // The last effect of each row supersedes its earlier ones.
         let mut last: BTreeMap<(&str, &RowIdentity), StreamPosition> = BTreeMap::new();
         for e in &effects {
             last.insert((e.table_id.as_str(), &e.identity), e.position());
         }
         effects
-            .iter()
+            .into_iter()
             .filter(|e| last.get(&(e.table_id.as_str(), &e.identity)) == Some(&e.position()))
             .take(max)
             .cloned()
