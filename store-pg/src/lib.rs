@@ -702,4 +702,27 @@ impl actors::testkit::CaptureWorld for PgWorld {
             .await
             .unwrap();
     }
+
+    async fn fail_checkpoint_commits(&self, n: usize) {
+        // A deferred constraint trigger runs at COMMIT, after every write
+        // of the transaction; a sequence counts the failures outside the
+        // transactions it fails.
+        let n = i64::try_from(n).unwrap();
+        sqlx::raw_sql(&format!(
+            "DROP SEQUENCE IF EXISTS synchro.test_failing_commits; \
+             CREATE SEQUENCE synchro.test_failing_commits; \
+             CREATE OR REPLACE FUNCTION synchro.test_fail_commit() RETURNS trigger \
+             LANGUAGE plpgsql AS $$ BEGIN \
+               IF nextval('synchro.test_failing_commits') <= {n} THEN \
+                 RAISE EXCEPTION 'injected commit failure' USING ERRCODE = '40001'; \
+               END IF; RETURN NULL; END $$; \
+             DROP TRIGGER IF EXISTS test_fail_commit ON synchro.client_checkpoints; \
+             CREATE CONSTRAINT TRIGGER test_fail_commit AFTER INSERT OR UPDATE \
+             ON synchro.client_checkpoints DEFERRABLE INITIALLY DEFERRED \
+             FOR EACH ROW EXECUTE FUNCTION synchro.test_fail_commit();"
+        ))
+        .execute(self.store.pool())
+        .await
+        .unwrap();
+    }
 }

@@ -526,21 +526,7 @@ impl PgTx {
                     ))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            // Each row's new effect supersedes its earlier ones in that
-            // scope: those stored, and those earlier in this batch.
-            sqlx::query(
-                "UPDATE synchro.scope_effects e SET superseded = true \
-                 FROM UNNEST($1::text[], $2::text[], $3::bytea[]) AS u(s, t, i) \
-                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i \
-                 AND NOT e.superseded",
-            )
-            .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
-            .bind(e.iter().map(|e| e.table_id.as_str()).collect::<Vec<_>>())
-            .bind(e.iter().map(|e| e.identity.as_bytes()).collect::<Vec<_>>())
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error)?;
-            let mut last = std::collections::HashMap::new();
+            let mut last = HashMap::new();
             for (k, e) in e.iter().enumerate() {
                 let key = (e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes());
                 let newer = last
@@ -558,8 +544,15 @@ impl PgTx {
                         != Some(&k)
                 })
                 .collect();
+            // Each row's new effect supersedes its earlier ones in that
+            // scope: those stored (the statement's update, which does not
+            // see its own inserts), and those earlier in this batch.
             sqlx::query(
-                "INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
+                "WITH superseding AS (UPDATE synchro.scope_effects e SET superseded = true \
+                 FROM UNNEST($1::text[], $5::text[], $6::bytea[]) AS u(s, t, i) \
+                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i \
+                 AND NOT e.superseded) \
+                 INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
                  table_id, identity, key_json, op, row_json, version, digest, schema_version, superseded) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
                  $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[], \

@@ -46,6 +46,10 @@ pub trait CaptureWorld {
     async fn grant(&self, user: &str, scope: &str, on: bool);
     /// Retires a client identity (an operator action).
     async fn retire(&self, client_id: &str);
+    /// Fault injection: the next `n` commits that write a checkpoint fail,
+    /// at commit, after every write of their transaction, as a lost
+    /// serialization race would.
+    async fn fail_checkpoint_commits(&self, n: usize);
 }
 
 /// The capture world of MemStore: application writes straight into its source relations.
@@ -105,6 +109,10 @@ impl CaptureWorld for MemWorld {
 
     async fn retire(&self, client_id: &str) {
         self.store.retire_client(client_id).await;
+    }
+
+    async fn fail_checkpoint_commits(&self, n: usize) {
+        self.store.fail_checkpoint_commits(n);
     }
 }
 

@@ -12,18 +12,20 @@ use crate::config::SyncConfig;
 mod capture;
 mod pull;
 mod push;
+mod transport;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
     truncate_blocks,
 };
 pub use pull::{
     PullClient, cursor_bindings, cursor_position, mint_cursor, note_row, origin_cursor, pull_note,
-    pull_store_suite, pull_suite,
+    pull_store_suite, pull_suite, pull_suite_via,
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
     note_mutation, outcome, push_config, push_store_suite, push_suite, version_of,
 };
+pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).
 pub const EXAMPLE_CONFIG: &str = include_str!("../../../examples/notes/config.toml");

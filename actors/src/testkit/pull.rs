@@ -12,6 +12,7 @@
 //! followed by pulls would leave.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use invariants::pull::{Applied, Replica};
 use protocol::digest::Digest;
@@ -22,9 +23,11 @@ use protocol::token::{client_binding, user_binding};
 
 use super::capture::settle;
 use super::push::{PushClient, note_mutation, push_config};
+use super::transport::{Node, Route, Serve, Transport};
 use super::{CaptureWorld, ConnectBody, Write};
 use crate::Engine;
 use crate::capture::Lsn;
+use crate::reply::Reply;
 use crate::store::{Store, StoreTx};
 use crate::stream::{Checkpoint, MembershipLineage, load_key_ring};
 
@@ -122,7 +125,7 @@ pub async fn cursor_position<S: Store>(store: &S, token: &str) -> StreamPosition
 /// A connected client that pulls into a [`Replica`].
 pub struct PullClient<S: Store> {
     pub store: S,
-    pub engine: Engine,
+    pub node: Node,
     pub user: String,
     pub client_id: String,
     pub generation: u64,
@@ -131,12 +134,13 @@ pub struct PullClient<S: Store> {
 
 impl<S: Store> PullClient<S> {
     /// Connects a fresh client of `user`.
-    pub async fn connect(store: &S, engine: &Engine, user: &str, client_id: &str) -> Self {
-        let r = engine
-            .connect(
+    pub async fn connect(store: &S, node: impl Into<Node>, user: &str, client_id: &str) -> Self {
+        let node = node.into();
+        let r = node
+            .send(
+                Route::Connect,
                 user,
                 json::to_canonical(&ConnectBody::fresh(client_id).to_json()),
-                NOW,
             )
             .await;
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
@@ -148,7 +152,7 @@ impl<S: Store> PullClient<S> {
         let v = json::parse(&r.body).unwrap();
         PullClient {
             store: store.clone(),
-            engine: engine.clone(),
+            node,
             user: user.into(),
             client_id: client_id.into(),
             generation: super::int(&v.as_object().unwrap()["client_generation"]),
@@ -164,13 +168,18 @@ impl<S: Store> PullClient<S> {
 
     /// Sends `body` as this client's user: status and parsed body.
     pub async fn send(&self, body: Vec<u8>) -> (u16, Value, Option<u32>) {
-        let r = self.engine.pull(&self.user, body, NOW).await;
+        let r = self.send_raw(body).await;
         (r.status, json::parse(&r.body).unwrap(), r.retry_after)
+    }
+
+    /// Sends `body` as this client's user: the answer as it came.
+    pub async fn send_raw(&self, body: Vec<u8>) -> Reply {
+        self.node.send(Route::Pull, &self.user, body).await
     }
 
     /// One pull, which must answer 200, applied to the replica.
     pub async fn pull(&mut self, limit: u16) -> Applied {
-        let r = self.engine.pull(&self.user, self.body(limit), NOW).await;
+        let r = self.send_raw(self.body(limit)).await;
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         let applied = self.replica.apply(&r.body).unwrap();
         assert!(applied.mismatched.is_empty(), "{applied:?}");
@@ -256,8 +265,14 @@ async fn write_settled<W: CaptureWorld>(world: &W, writes: &[Write<'_>]) -> Lsn 
     lsn
 }
 
-/// The whole pull suite on one world.
+/// The whole pull suite on one world, its clients calling the engine.
 pub async fn pull_suite<W: CaptureWorld>(world: &W) {
+    pull_suite_via(world, Arc::new(Transport::direct)).await;
+}
+
+/// The whole pull suite on one world, its clients reaching each engine it
+/// starts through `serve`'s transport.
+pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     let store = world.store().clone();
     // Capture's leadership, held so that nothing materializes until
     // `capture_gates` lets go.
@@ -267,24 +282,25 @@ pub async fn pull_suite<W: CaptureWorld>(world: &W) {
         .await
         .unwrap();
     let feed = store.change_feed().await.unwrap().unwrap();
-    let engine = Engine::start(store.clone(), config).await.unwrap();
-    capture_gates(world, &engine, feed).await;
-    request_errors(world, &engine).await;
-    stale_and_forged(world, &engine).await;
-    delayed_acknowledgement(world, &engine).await;
-    dedup_merge_and_siblings(world, &engine).await;
-    scope_movement(world, &engine).await;
-    admission(world, &engine).await;
+    let node = Node::new(Engine::start(store.clone(), config).await.unwrap(), serve);
+    capture_gates(world, &node, feed).await;
+    request_errors(world, &node).await;
+    stale_and_forged(world, &node).await;
+    delayed_acknowledgement(world, &node).await;
+    dedup_merge_and_siblings(world, &node).await;
+    scope_movement(world, &node).await;
+    admission(world, &node).await;
+    fails_at_commit(world, &node).await;
     // Last: it appends manifests, and then blocks capture.
-    let latest = schema_bridge(world, &engine).await;
+    let latest = schema_bridge(world, &node).await;
     capture_blocked(world, &latest).await;
 }
 
 /// While capture is quarantined, a pull answers `503 temporary_unavailable`
 /// with reason `capture_blocked`, even with a fence pending.
-async fn capture_blocked<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn capture_blocked<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "cb-u", "cb-c").await;
+    let mut c = PullClient::connect(store, node, "cb-u", "cb-c").await;
     c.sync(10).await;
     let lsn = world.write(&[Write::Truncate("public.templates")]).await;
     let p = settle(store, lsn).await;
@@ -301,9 +317,9 @@ async fn capture_blocked<W: CaptureWorld>(world: &W, engine: &Engine) {
 }
 
 /// Every request error, and the precedence between them.
-async fn request_errors<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn request_errors<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "pe-u", "pe-c").await;
+    let mut c = PullClient::connect(store, node, "pe-u", "pe-c").await;
     c.sync(10).await;
     let good = c.body(10);
     let send = |b: Vec<u8>| c.send(b);
@@ -330,8 +346,8 @@ async fn request_errors<W: CaptureWorld>(world: &W, engine: &Engine) {
     assert_eq!(send(b).await.0, 400);
     // 1. Binding: an unknown client, or another user's, before structure.
     let (s, v, _) = c
-        .engine
-        .pull("someone-else", good.clone(), NOW)
+        .node
+        .send(Route::Pull, "someone-else", good.clone())
         .await
         .into_parts();
     assert_eq!((s, code(&v)), (401, "auth_required"));
@@ -393,9 +409,9 @@ async fn request_errors<W: CaptureWorld>(world: &W, engine: &Engine) {
 
 /// An authentic cursor whose lineage is obsolete sends its scope to
 /// rebuild; one that is forged or bound to anything else fails the request.
-async fn stale_and_forged<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn stale_and_forged<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "sf-u", "sf-c").await;
+    let mut c = PullClient::connect(store, node, "sf-u", "sf-c").await;
     c.sync(10).await;
     let scope = "user:sf-u";
     let at = cursor_position(store, &c.cursor(scope)).await;
@@ -455,8 +471,8 @@ async fn stale_and_forged<W: CaptureWorld>(world: &W, engine: &Engine) {
         .iter()
         .map(|(s, l)| (s.clone(), l.cursor.clone()))
         .collect();
-    let r = engine
-        .connect("sf-u", json::to_canonical(&body.to_json()), NOW)
+    let r = node
+        .send(Route::Connect, "sf-u", json::to_canonical(&body.to_json()))
         .await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let g = super::int(&json::parse(&r.body).unwrap().as_object().unwrap()["client_generation"]);
@@ -544,9 +560,9 @@ impl IntoParts for crate::Reply {
 /// A lost response is safe: the old cursor replays the same changes, the
 /// checkpoint moves only when a later pull presents the new cursor, and an
 /// older cursor never moves it back.
-async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "da-u", "da-c").await;
+    let mut c = PullClient::connect(store, node, "da-u", "da-c").await;
     c.sync(10).await;
     let scope = "user:da-u";
     let c0 = c.cursor(scope);
@@ -559,10 +575,10 @@ async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, engine: &Engine) {
         ],
     )
     .await;
-    let first = c.engine.pull("da-u", c.body(10), NOW).await;
+    let first = c.send_raw(c.body(10)).await;
     assert_eq!(first.status, 200);
     // The response is lost: the client pulls again with c0.
-    let again = c.engine.pull("da-u", c.body(10), NOW).await;
+    let again = c.send_raw(c.body(10)).await;
     assert_eq!(again.status, 200);
     let changes = |b: &[u8]| json::parse(b).unwrap().as_object().unwrap()["changes"].clone();
     assert_eq!(
@@ -587,10 +603,10 @@ async fn delayed_acknowledgement<W: CaptureWorld>(world: &W, engine: &Engine) {
 
 /// Dedup before the limit, effects of one event split across pages, and
 /// a busy scope that cannot hide another's older change.
-async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
     world.grant("dm-u", "team:dm", true).await;
-    let mut c = PullClient::connect(store, engine, "dm-u", "dm-c").await;
+    let mut c = PullClient::connect(store, node, "dm-u", "dm-c").await;
     c.sync(10).await;
     let (n3, n4) = (pull_note(3), pull_note(4));
     // One row changed three times: one change, its last state.
@@ -663,7 +679,7 @@ async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
         )
         .await;
     }
-    let r = c.engine.pull("dm-u", c.body(2), NOW).await;
+    let r = c.send_raw(c.body(2)).await;
     let v = json::parse(&r.body).unwrap();
     let first: Vec<&str> = match &v.as_object().unwrap()["changes"] {
         Value::Array(a) => a
@@ -680,9 +696,9 @@ async fn dedup_merge_and_siblings<W: CaptureWorld>(world: &W, engine: &Engine) {
 
 /// A row entering, leaving and living in several scopes, and a scope
 /// granted then revoked between pulls.
-async fn scope_movement<W: CaptureWorld>(world: &W, engine: &Engine) {
+async fn scope_movement<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "sm-u", "sm-c").await;
+    let mut c = PullClient::connect(store, node, "sm-u", "sm-c").await;
     c.sync(10).await;
     let v0 = c.replica.scope_set_version;
     world.grant("sm-u", "team:sm", true).await;
@@ -750,12 +766,12 @@ async fn scope_movement<W: CaptureWorld>(world: &W, engine: &Engine) {
 
 /// `capture_pending` while this client's push awaits capture, and its
 /// clearing; a failed pull writes no assignment or checkpoint.
-async fn capture_gates<W: CaptureWorld>(world: &W, engine: &Engine, feed: <W::S as Store>::Feed) {
+async fn capture_gates<W: CaptureWorld>(world: &W, node: &Node, feed: <W::S as Store>::Feed) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "cg-u", "cg-c").await;
+    let mut c = PullClient::connect(store, node, "cg-u", "cg-c").await;
     c.sync(10).await;
     let pusher = PushClient {
-        engine: engine.clone(),
+        engine: node.engine.clone(),
         user: "cg-u".into(),
         client_id: "cg-c".into(),
         generation: c.generation,
@@ -804,11 +820,59 @@ async fn capture_gates<W: CaptureWorld>(world: &W, engine: &Engine, feed: <W::S 
 
 /// Past the page permits, a valid pull answers 429 with Retry-After; an
 /// invalid one still gets its own error first.
-async fn admission<W: CaptureWorld>(world: &W, engine: &Engine) {
+/// A pull that fails after its writes, at commit, commits nothing: no
+/// acknowledgement and no assignment change; its retries (four attempts)
+/// answer 503, and the next pull does both.
+async fn fails_at_commit<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
-    let mut c = PullClient::connect(store, engine, "ad-u", "ad-c").await;
+    let mut c = PullClient::connect(store, node, "fm-u", "fm-c").await;
     c.sync(10).await;
-    let held = engine.occupy_pull_pages().await;
+    write_settled(
+        world,
+        &[Write::Insert(
+            "public.notes",
+            &note_row(&pull_note(50), "fm-u", "t"),
+        )],
+    )
+    .await;
+    assert_eq!(c.pull(10).await.changes, 1, "one pull delivers it");
+    world.grant("fm-u", "team:fm", true).await;
+    let acknowledged = c.checkpoints().await;
+    let version = || async {
+        let mut tx = store.begin().await.unwrap();
+        tx.lock_client("fm-c")
+            .await
+            .unwrap()
+            .unwrap()
+            .scope_set_version
+    };
+    let before = version().await;
+    world.fail_checkpoint_commits(4).await;
+    let (s, v, retry_after) = c.send(c.body(10)).await;
+    assert_eq!(s, 503, "{v:?}");
+    assert_eq!(
+        v.as_object().unwrap()["error"].as_object().unwrap()["code"],
+        Value::string("temporary_unavailable")
+    );
+    assert_eq!(retry_after, Some(5));
+    assert_eq!(c.checkpoints().await, acknowledged, "nothing acknowledged");
+    assert_eq!(version().await, before, "no assignment written");
+    // The same request again: acknowledged, and the scope added.
+    let a = c.pull(10).await;
+    assert_eq!(a.rebuild, ["team:fm"]);
+    assert_eq!(version().await, before + 1);
+    assert_ne!(
+        c.checkpoints().await,
+        acknowledged,
+        "the cursor acknowledged"
+    );
+}
+
+async fn admission<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let mut c = PullClient::connect(store, node, "ad-u", "ad-c").await;
+    c.sync(10).await;
+    let held = node.engine.occupy_pull_pages().await;
     let (s, v, after) = c.send(c.body(10)).await;
     assert_eq!((s, code(&v), after), (429, "retry_later", Some(5)));
     let b = edit(&c.body(10), |o| {
@@ -1066,7 +1130,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
 /// change every kept cursor is replaced, after a Class 3 change only the
 /// unaffected scopes' are; pull accepts the replacements and never the
 /// historical tokens.
-async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
+async fn schema_bridge<W: CaptureWorld>(world: &W, node: &Node) -> Node {
     let store = world.store();
     let n = pull_note(40);
     write_settled(
@@ -1074,7 +1138,7 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
         &[Write::Insert("public.notes", &note_row(&n, "br-u", "kept"))],
     )
     .await;
-    let mut c = PullClient::connect(store, engine, "br-u", "br-c").await;
+    let mut c = PullClient::connect(store, node, "br-u", "br-c").await;
     c.sync(10).await;
     let old = c.body(10);
     let old_cursors: Vec<(String, Option<String>)> = c
@@ -1083,16 +1147,16 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
         .iter()
         .map(|(s, l)| (s.clone(), l.cursor.clone()))
         .collect();
-    let reconnect = |engine: &Engine, schema: Value, known: Vec<(String, Option<String>)>| {
+    let reconnect = |node: &Node, schema: Value, known: Vec<(String, Option<String>)>| {
         let mut body = ConnectBody::fresh("br-c");
         body.generation = Some(c.generation);
         body.schema = schema;
         body.scope_set_version = c.replica.scope_set_version;
         body.known = known;
-        let engine = engine.clone();
+        let node = node.clone();
         async move {
-            let r = engine
-                .connect("br-u", json::to_canonical(&body.to_json()), NOW)
+            let r = node
+                .send(Route::Connect, "br-u", json::to_canonical(&body.to_json()))
                 .await;
             assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
             json::parse(&r.body).unwrap()
@@ -1116,8 +1180,8 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
     // Class 2: a table renamed. Every kept cursor gets its replacement.
     let class2 =
         super::push::push_config_with(|s| s.replace("name = \"notes\"", "name = \"notebook\""));
-    let engine2 = Engine::start(store.clone(), class2).await.unwrap();
-    let v = reconnect(&engine2, c.replica_schema(), old_cursors.clone()).await;
+    let node2 = node.with(Engine::start(store.clone(), class2).await.unwrap());
+    let v = reconnect(&node2, c.replica_schema(), old_cursors.clone()).await;
     assert_eq!(
         v.as_object().unwrap()["schema"].as_object().unwrap()["action"],
         Value::string("replace")
@@ -1139,7 +1203,9 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
             o.insert("scopes".into(), Value::Object(scopes));
         })
     };
-    let r = engine2.pull("br-u", body(&replaced, &current), NOW).await;
+    let r = node2
+        .send(Route::Pull, "br-u", body(&replaced, &current))
+        .await;
     let page = json::parse(&r.body).unwrap();
     assert_eq!(r.status, 200, "{page:?}");
     assert_eq!(
@@ -1156,7 +1222,9 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
     assert_eq!(served, digest_under_current(store, "user:br-u").await);
     // The historical tokens themselves are stale under the current schema.
     let historical: BTreeMap<String, Option<String>> = old_cursors.iter().cloned().collect();
-    let r = engine2.pull("br-u", body(&historical, &current), NOW).await;
+    let r = node2
+        .send(Route::Pull, "br-u", body(&historical, &current))
+        .await;
     let page = json::parse(&r.body).unwrap();
     assert_eq!(
         page.as_object().unwrap()["rebuild"],
@@ -1175,9 +1243,9 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
                 "lifecycle = { updated_at = \"updated_at\" }",
             )
     });
-    let engine3 = Engine::start(store.clone(), class3).await.unwrap();
+    let node3 = node.with(Engine::start(store.clone(), class3).await.unwrap());
     let known: Vec<(String, Option<String>)> = replaced.clone().into_iter().collect();
-    let v = reconnect(&engine3, current.clone(), known).await;
+    let v = reconnect(&node3, current.clone(), known).await;
     assert_eq!(
         v.as_object().unwrap()["schema"].as_object().unwrap()["action"],
         Value::string("rebuild_local")
@@ -1188,8 +1256,8 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, engine: &Engine) -> Engine {
         after["templates_public"].is_some(),
         "an unaffected scope is bridged"
     );
-    drop(engine2);
-    engine3
+    drop(node2);
+    node3
 }
 
 /// A scope's digest under the current manifest, computed here from its
