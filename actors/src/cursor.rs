@@ -1,13 +1,17 @@
 //! Incremental cursors (ADR 003 "Incremental cursor bindings", "Stale
 //! versus forged cursor dispatch"): what each presented cursor means, the
 //! bindings of a new one, and connect's same-position replacement under
-//! the current schema. Pure: the caller supplies the current state.
+//! the current schema; and rebuild continuations, judged and issued. Pure: the caller supplies the current state.
 
 use protocol::digest::Digest;
-use protocol::ids::ScopeId;
+use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::position::{Boundary, StreamPosition};
-use protocol::token::{CursorBindings, KeyRing, ScopeBindings, client_binding, user_binding};
+use protocol::token::{
+    ContinuationBindings, CursorBindings, KeyRing, ScopeBindings, client_binding, user_binding,
+};
+use protocol::wire::PageLimit;
 
+use crate::staging::RebuildSession;
 use crate::stream::StreamState;
 
 /// Everything an authentic cursor must match to be current.
@@ -138,6 +142,101 @@ pub fn issue(
         },
         position,
     })
+}
+
+/// What a presented rebuild continuation means, once it is authentic and
+/// bound to this request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Continued {
+    /// Current: the page of its session at its ordinal.
+    Valid(Box<ContinuationBindings>),
+    /// Expired, or a lineage or the write epoch it binds moved on: the
+    /// rebuild must restart (409 `rebuild_restart_required`).
+    Stale,
+}
+
+/// The rebuild request a continuation is presented with.
+#[derive(Clone, Copy, Debug)]
+pub struct ContinuationRequest<'a> {
+    pub scope: &'a ScopeId,
+    pub rebuild_id: &'a CanonicalUuid,
+    pub limit: PageLimit,
+    /// The scope's current membership generation.
+    pub membership_generation: u64,
+    /// The client's current accepted-write epoch.
+    pub accepted_write_epoch: u64,
+}
+
+/// Judges a presented rebuild continuation (ADR 003 "Rebuild token dispatch
+/// and expiry"): forged, malformed, of the wrong kind, bound to another
+/// user, client, scope or attempt, or of another page limit is misbound;
+/// an authentic one whose session context is no longer current is stale.
+pub fn judge_continuation(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    req: &ContinuationRequest<'_>,
+    token: &str,
+) -> Result<Continued, Misbound> {
+    let b = keys.verify_continuation(token).map_err(|_| Misbound)?;
+    let s = &b.scope;
+    if s.user_binding != user_binding(ctx.user_id)
+        || s.client_binding != client_binding(ctx.user_id, ctx.client_id)
+        || s.scope_id != req.scope.as_str()
+        || b.rebuild_id != *req.rebuild_id
+        || b.page_limit != req.limit
+    {
+        return Err(Misbound);
+    }
+    // A generation or epoch this server never issued yet cannot be authentic.
+    if s.client_generation > ctx.client_generation
+        || s.stream_generation > ctx.stream.generation
+        || s.retention_generation > ctx.stream.retention_generation
+        || b.accepted_write_epoch > req.accepted_write_epoch
+    {
+        return Err(Misbound);
+    }
+    let stale = s.client_generation != ctx.client_generation
+        || s.stream_generation != ctx.stream.generation
+        || s.schema_hash != ctx.schema_hash
+        || s.membership_generation != req.membership_generation
+        || s.retention_generation != ctx.stream.retention_generation
+        || b.accepted_write_epoch != req.accepted_write_epoch
+        || ctx.now_micros >= b.expires_at;
+    Ok(if stale {
+        Continued::Stale
+    } else {
+        Continued::Valid(Box::new(b))
+    })
+}
+
+/// The continuation to `session`'s page at `next_row_ordinal`.
+pub fn continuation(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    session: &RebuildSession,
+    next_row_ordinal: u64,
+) -> Option<String> {
+    let page_limit = PageLimit::new(session.page_limit)?;
+    Some(keys.issue_continuation(&ContinuationBindings {
+        scope: ScopeBindings {
+            stream_generation: session.stream_generation,
+            user_binding: user_binding(ctx.user_id),
+            client_binding: client_binding(ctx.user_id, ctx.client_id),
+            client_generation: session.client_generation,
+            scope_id: session.scope.as_str().to_owned(),
+            schema_hash: session.schema_hash,
+            membership_generation: session.membership_generation,
+            retention_generation: session.retention_generation,
+            issued_at: ctx.now_micros,
+        },
+        session_id: session.session_id,
+        rebuild_id: session.rebuild_id,
+        snapshot_boundary: session.boundary,
+        next_row_ordinal,
+        page_limit,
+        accepted_write_epoch: session.accepted_write_epoch,
+        expires_at: session.expires_at,
+    }))
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use crate::config::SyncConfig;
 use crate::ledger::{self, Ledger};
 use crate::materializer::{self, CaptureStatus, MaterializerLimits};
 use crate::pull::Puller;
+use crate::rebuild::Rebuilder;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::store::Store;
@@ -37,7 +38,7 @@ enum RegistryMsg {
     },
 }
 
-/// One request for the ledger or the puller.
+/// One request for the ledger, the puller or the rebuilder.
 struct RequestMsg {
     user_id: String,
     body: Vec<u8>,
@@ -51,6 +52,7 @@ pub struct Engine {
     registry: mpsc::Sender<RegistryMsg>,
     ledger: mpsc::Sender<RequestMsg>,
     puller: mpsc::Sender<RequestMsg>,
+    rebuilder: mpsc::Sender<RequestMsg>,
     /// Pull pages being built; a pull that finds none free answers 429.
     #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
     pull_pages: Arc<Semaphore>,
@@ -101,6 +103,14 @@ impl Engine {
         let pull_tx = serve_requests(puller, PARALLEL_PULLS, |puller, m| async move {
             puller.pull(&m.user_id, &m.body, m.now_micros).await
         });
+        let rebuilder = Arc::new(Rebuilder::new(
+            store.clone(),
+            registry.clone(),
+            pull_pages.clone(),
+        ));
+        let rebuild_tx = serve_requests(rebuilder, PARALLEL_PULLS, |rebuilder, m| async move {
+            rebuilder.rebuild(&m.user_id, &m.body, m.now_micros).await
+        });
         let limits = MaterializerLimits {
             heartbeat: Duration::from_millis(config.capture.heartbeat_ms),
             retry: Duration::from_millis(config.capture.retry_ms),
@@ -150,6 +160,7 @@ impl Engine {
             registry: tx,
             ledger: push_tx,
             puller: pull_tx,
+            rebuilder: rebuild_tx,
             pull_pages,
             capture,
             integrity_failed: Arc::new(AtomicBool::new(false)),
@@ -203,6 +214,12 @@ impl Engine {
     /// `POST /sync/pull` for an authenticated user.
     pub async fn pull(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
         self.request(&self.puller, user_id, body, now_micros).await
+    }
+
+    /// `POST /sync/rebuild` for an authenticated user.
+    pub async fn rebuild(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        self.request(&self.rebuilder, user_id, body, now_micros)
+            .await
     }
 
     /// One request to an actor's inbox, and its reply.

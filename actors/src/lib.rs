@@ -4,6 +4,7 @@
 //! Runs unchanged on tokio and under the madsim simulator: no OS threads,
 //! no real clock (callers pass the time in), no ambient entropy.
 
+pub mod attempt;
 pub mod capture;
 pub mod config;
 pub mod cursor;
@@ -11,8 +12,10 @@ pub mod engine;
 pub mod ledger;
 pub mod materializer;
 pub mod pull;
+pub mod rebuild;
 pub mod registry;
 pub mod reply;
+pub mod staging;
 pub mod store;
 pub mod stream;
 

@@ -297,45 +297,13 @@ impl Replica {
             return Err(format!("a change for removed scope {scope}"));
         }
         let table_id = string(c, "table")?;
-        let table = self
-            .manifest
-            .table(table_id)
-            .ok_or_else(|| format!("a change of unknown table {table_id}"))?;
-        let pk = members(member(c, "pk")?, "pk")?;
-        let pk_field = table.primary_key();
-        if pk.len() != 1 {
-            return Err("pk is not one field".into());
-        }
-        let pk_value = member(pk, pk_field.field_id())?;
-        let key = value::decode(pk_field.field_type(), pk_value)
-            .ok()
-            .flatten()
-            .ok_or("pk does not fit its type")?;
-        let identity = RowIdentity::of(table, &key);
         let version = string(c, "server_version")?;
-        let server_version = ServerVersion::parse(version).ok_or("a malformed server_version")?;
         let op = string(c, "op")?;
-        let row = c.get("row");
-        let checked = |row: &Value| -> Result<Digest, String> {
-            let decoded = table
-                .decode_row(members(row, "row")?)
-                .map_err(|e| format!("the row does not fit its table: {e:?}"))?;
-            if table.row_key(&decoded) != Some(&key) {
-                return Err("the row's key is not pk".into());
-            }
-            let d = row_digest(
-                &self.manifest.hash(),
-                table,
-                &identity,
-                &decoded,
-                &server_version,
-            );
-            let sent = Digest::from_checksum_json(member(c, "row_checksum")?)
-                .ok_or("a malformed row_checksum")?;
-            if sent != d {
-                return Err(format!("row_checksum of a {table_id} row does not verify"));
-            }
-            Ok(d)
+        // Every row is verified before anything is applied.
+        let (identity, digest) = {
+            let (identity, checked) = self.verify(c, table_id)?;
+            let digest = c.get("row").map(&checked).transpose()?;
+            (identity, digest)
         };
         let local = self
             .scopes
@@ -347,15 +315,13 @@ impl Replica {
             digest,
             tombstone,
         };
-        match (op, row) {
-            ("upsert", Some(row)) => {
-                let d = checked(row)?;
+        match (op, digest) {
+            ("upsert", Some(d)) => {
                 local
                     .rows
                     .insert(identity.as_bytes().to_vec(), held(d, false));
             }
-            ("delete", Some(row)) => {
-                let d = checked(row)?;
+            ("delete", Some(d)) => {
                 local
                     .rows
                     .insert(identity.as_bytes().to_vec(), held(d, true));
@@ -370,6 +336,171 @@ impl Replica {
         }
         Ok(())
     }
+}
+
+impl Replica {
+    /// A change's or record's row identity, and the check of a row it
+    /// carries: the row fits its table, its key is `pk`, and its
+    /// `row_checksum` is the digest the client recomputes.
+    #[allow(clippy::type_complexity)]
+    fn verify<'a>(
+        &'a self,
+        c: &'a Object,
+        table_id: &'a str,
+    ) -> Result<(RowIdentity, impl Fn(&Value) -> Result<Digest, String> + 'a), String> {
+        let table = self
+            .manifest
+            .table(table_id)
+            .ok_or_else(|| format!("a row of unknown table {table_id}"))?;
+        let pk = members(member(c, "pk")?, "pk")?;
+        let pk_field = table.primary_key();
+        if pk.len() != 1 {
+            return Err("pk is not one field".into());
+        }
+        let pk_value = member(pk, pk_field.field_id())?;
+        let key = value::decode(pk_field.field_type(), pk_value)
+            .ok()
+            .flatten()
+            .ok_or("pk does not fit its type")?;
+        let identity = RowIdentity::of(table, &key);
+        let version = string(c, "server_version")?;
+        let server_version = ServerVersion::parse(version).ok_or("a malformed server_version")?;
+        let hash = self.manifest.hash();
+        let at = identity.clone();
+        let checked = move |row: &Value| -> Result<Digest, String> {
+            let decoded = table
+                .decode_row(members(row, "row")?)
+                .map_err(|e| format!("the row does not fit its table: {e:?}"))?;
+            if table.row_key(&decoded) != Some(&key) {
+                return Err("the row's key is not pk".into());
+            }
+            let d = row_digest(&hash, table, &at, &decoded, &server_version);
+            let sent = Digest::from_checksum_json(member(c, "row_checksum")?)
+                .ok_or("a malformed row_checksum")?;
+            if sent != d {
+                return Err(format!("row_checksum of a {table_id} row does not verify"));
+            }
+            Ok(d)
+        };
+        Ok((identity, checked))
+    }
+
+    /// Applies one 200 rebuild page of `rebuilding`'s scope, as the spec
+    /// tells a client to: every record verified before it is held; on the
+    /// final page the complete staged scope's checksum is recomputed, and
+    /// only when it matches do the rows replace the scope's and the final
+    /// cursor get installed.
+    pub fn apply_rebuild(
+        &mut self,
+        rebuilding: &mut Rebuilding,
+        page: &[u8],
+    ) -> Result<RebuildStep, String> {
+        let v = json::parse(page).map_err(|_| "the rebuild page is not JSON".to_owned())?;
+        let o = members(&v, "the rebuild page")?;
+        if string(o, "scope")? != rebuilding.scope {
+            return Err("a rebuild page of another scope".into());
+        }
+        let has_more = match member(o, "has_more")? {
+            Value::Bool(b) => *b,
+            _ => return Err("has_more is not a boolean".into()),
+        };
+        let mut rows = Vec::new();
+        for r in array(o, "records")? {
+            let r = members(r, "a record")?;
+            let table_id = string(r, "table")?;
+            let (identity, checked) = self.verify(r, table_id)?;
+            let row = member(r, "row")?;
+            let digest = checked(row)?;
+            let table = self.manifest.table(table_id).ok_or("an unknown table")?;
+            let tombstone = table
+                .lifecycle()
+                .deleted_at_field_id
+                .as_ref()
+                .and_then(|f| row.as_object()?.get(f))
+                .is_some_and(|d| *d != Value::Null);
+            let held = LocalRow {
+                table: table_id.to_owned(),
+                version: string(r, "server_version")?.to_owned(),
+                digest,
+                tombstone,
+            };
+            rows.push((identity.as_bytes().to_vec(), held));
+        }
+        for (identity, held) in rows {
+            if let Some((last, _)) = rebuilding.rows.last_key_value()
+                && *last >= identity
+            {
+                return Err("rebuild records are not in row-identity order".into());
+            }
+            rebuilding.rows.insert(identity, held);
+        }
+        if has_more {
+            if o.contains_key("checksum") || o.contains_key("final_scope_cursor") {
+                return Err("an intermediate page carries final members".into());
+            }
+            let next = string(o, "cursor")?.to_owned();
+            rebuilding.continuation = Some(next.clone());
+            return Ok(RebuildStep::More(next));
+        }
+        if member(o, "cursor")? != &Value::Null {
+            return Err("a final page carries a continuation".into());
+        }
+        let want =
+            Digest::from_checksum_json(member(o, "checksum")?).ok_or("a malformed checksum")?;
+        let cursor = string(o, "final_scope_cursor")?.to_owned();
+        let mut d = ScopeDigest::new(
+            &self.manifest.hash(),
+            &rebuilding.scope,
+            rebuilding.rows.len() as u64,
+        );
+        for (identity, row) in &rebuilding.rows {
+            d.push(&RowIdentity::from_bytes(identity.clone()), &row.digest);
+        }
+        if d.finish().ok() != Some(want) {
+            return Ok(RebuildStep::Mismatch);
+        }
+        let local = self
+            .scopes
+            .get_mut(&rebuilding.scope)
+            .ok_or("a rebuild of a scope that is not active")?;
+        local.rows = std::mem::take(&mut rebuilding.rows);
+        local.cursor = Some(cursor);
+        Ok(RebuildStep::Done)
+    }
+}
+
+/// One rebuild attempt of one scope on the client: its `rebuild_id`, the
+/// rows applied so far (apart from the scope's until the final page), and
+/// the continuation to present next.
+#[derive(Clone, Debug)]
+pub struct Rebuilding {
+    pub scope: String,
+    pub rebuild_id: String,
+    pub rows: BTreeMap<Vec<u8>, LocalRow>,
+    pub continuation: Option<String>,
+}
+
+impl Rebuilding {
+    /// A new attempt of `scope` under `rebuild_id`.
+    pub fn new(scope: &str, rebuild_id: &str) -> Rebuilding {
+        Rebuilding {
+            scope: scope.to_owned(),
+            rebuild_id: rebuild_id.to_owned(),
+            rows: BTreeMap::new(),
+            continuation: None,
+        }
+    }
+}
+
+/// What one applied rebuild page means for the attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RebuildStep {
+    /// More pages: present this continuation next.
+    More(String),
+    /// The scope is rebuilt: rows and final cursor installed.
+    Done,
+    /// The staged scope's checksum did not verify: nothing installed.
+    Mismatch,
 }
 
 /// One effect of a scope as the server recorded it.

@@ -31,6 +31,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sync/connect", post(connect))
         .route("/sync/push", post(push))
         .route("/sync/pull", post(pull))
+        .route("/sync/rebuild", post(rebuild))
         .route("/ready", get(ready))
         .route("/sync/schema", get(schema))
         .route("/sync/tables", get(tables))
@@ -134,6 +135,18 @@ async fn push(State(state): State<AppState>, headers: HeaderMap, body: Body) -> 
 async fn pull(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match intake(&state, &headers, body).await {
         Ok((user, bytes)) => respond(state.engine.pull(&user, bytes.to_vec(), now_micros()).await),
+        Err(response) => response,
+    }
+}
+
+async fn rebuild(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match intake(&state, &headers, body).await {
+        Ok((user, bytes)) => respond(
+            state
+                .engine
+                .rebuild(&user, bytes.to_vec(), now_micros())
+                .await,
+        ),
         Err(response) => response,
     }
 }

@@ -19,6 +19,7 @@ use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use actors::staging::{RebuildSession, StagedRow};
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use madsim::net::Endpoint;
@@ -72,6 +73,13 @@ enum Op {
     HasPendingFence(String),
     ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
     LastEffectBefore(ScopeId, StreamPosition),
+    RebuildSession(String, CanonicalUuid),
+    StageRebuild(Box<RebuildSession>, Vec<(RowIdentity, Digest)>),
+    StagedDigests(CanonicalUuid),
+    SealRebuildSession(CanonicalUuid, Digest),
+    StagedRows(CanonicalUuid, u64, usize),
+    RebuildPage(CanonicalUuid, u64),
+    PutRebuildPage(CanonicalUuid, u64, Vec<u8>),
     PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
     RecordPush(Box<PushRecord>),
     BeginWrites(Writer),
@@ -104,6 +112,10 @@ enum Answer {
     Keys(Result<Vec<TokenKey>, StoreError>),
     Checkpoints(Result<BTreeMap<ScopeId, Checkpoint>, StoreError>),
     Position(Result<Option<StreamPosition>, StoreError>),
+    Session(Result<Option<RebuildSession>, StoreError>),
+    Count(Result<u64, StoreError>),
+    Staged(Result<Vec<StagedRow>, StoreError>),
+    Page(Result<Option<Vec<u8>>, StoreError>),
     Ledger(Result<LedgerEntries, StoreError>),
     Found(Result<Vec<FoundRow>, StoreError>),
     Written(Result<WriteResult, StoreError>),
@@ -422,6 +434,21 @@ async fn transaction(
                 Answer::Position(tx.last_effect_before(&scope, before).await),
                 false,
             ),
+            Op::RebuildSession(c, r) => (Answer::Session(tx.rebuild_session(&c, &r).await), false),
+            Op::StageRebuild(session, d) => {
+                (Answer::Count(tx.stage_rebuild(&session, &d).await), false)
+            }
+            Op::StagedDigests(id) => (Answer::Members(tx.staged_digests(&id).await), false),
+            Op::SealRebuildSession(id, d) => {
+                (Answer::Unit(tx.seal_rebuild_session(&id, &d).await), false)
+            }
+            Op::StagedRows(id, from, max) => {
+                (Answer::Staged(tx.staged_rows(&id, from, max).await), false)
+            }
+            Op::RebuildPage(id, o) => (Answer::Page(tx.rebuild_page(&id, o).await), false),
+            Op::PutRebuildPage(id, o, b) => {
+                (Answer::Unit(tx.put_rebuild_page(&id, o, &b).await), false)
+            }
             Op::PushLedger(u, c, b, ids) => {
                 (Answer::Ledger(tx.push_ledger(&u, &c, b, &ids).await), false)
             }
@@ -993,6 +1020,99 @@ impl StoreTx for RemoteTx {
             .await?
         {
             Answer::Position(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn rebuild_session(
+        &mut self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> Result<Option<RebuildSession>, StoreError> {
+        match self
+            .call(Op::RebuildSession(client_id.to_owned(), *rebuild_id))
+            .await?
+        {
+            Answer::Session(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn stage_rebuild(
+        &mut self,
+        session: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> Result<u64, StoreError> {
+        match self
+            .call(Op::StageRebuild(
+                Box::new(session.clone()),
+                digests.to_vec(),
+            ))
+            .await?
+        {
+            Answer::Count(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn staged_digests(
+        &mut self,
+        session_id: &CanonicalUuid,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        match self.call(Op::StagedDigests(*session_id)).await? {
+            Answer::Members(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn seal_rebuild_session(
+        &mut self,
+        session_id: &CanonicalUuid,
+        digest: &Digest,
+    ) -> Result<(), StoreError> {
+        match self
+            .call(Op::SealRebuildSession(*session_id, *digest))
+            .await?
+        {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn staged_rows(
+        &mut self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<Vec<StagedRow>, StoreError> {
+        match self.call(Op::StagedRows(*session_id, from, max)).await? {
+            Answer::Staged(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.call(Op::RebuildPage(*session_id, ordinal)).await? {
+            Answer::Page(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn put_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        match self
+            .call(Op::PutRebuildPage(*session_id, ordinal, body.to_vec()))
+            .await?
+        {
+            Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -14,6 +14,7 @@ mod ledger;
 mod materialized;
 pub mod pgoutput;
 mod push;
+mod rebuild;
 mod sqlstate;
 mod stream;
 
@@ -28,6 +29,7 @@ use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use actors::staging::{RebuildSession, StagedRow};
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use protocol::digest::{Digest, RowIdentity};
@@ -435,6 +437,63 @@ impl StoreTx for PgTx {
         through: Boundary,
     ) -> Result<Vec<Effect>, StoreError> {
         self.read_scope_effects(scope, after, through).await
+    }
+
+    async fn rebuild_session(
+        &mut self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> Result<Option<RebuildSession>, StoreError> {
+        self.read_rebuild_session(client_id, rebuild_id).await
+    }
+
+    async fn stage_rebuild(
+        &mut self,
+        session: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> Result<u64, StoreError> {
+        self.write_stage(session, digests).await
+    }
+
+    async fn staged_digests(
+        &mut self,
+        session_id: &CanonicalUuid,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        self.read_staged_digests(session_id).await
+    }
+
+    async fn seal_rebuild_session(
+        &mut self,
+        session_id: &CanonicalUuid,
+        digest: &Digest,
+    ) -> Result<(), StoreError> {
+        self.write_seal(session_id, digest).await
+    }
+
+    async fn staged_rows(
+        &mut self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<Vec<StagedRow>, StoreError> {
+        self.read_staged_rows(session_id, from, max).await
+    }
+
+    async fn rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        self.read_rebuild_page(session_id, ordinal).await
+    }
+
+    async fn put_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        self.write_rebuild_page(session_id, ordinal, body).await
     }
 
     async fn stream_state(&mut self) -> Result<StreamState, StoreError> {

@@ -18,13 +18,13 @@ use sqlx::postgres::PgRow;
 
 use crate::{PgTx, db_error};
 
-fn integrity(what: &str) -> StoreError {
+pub(crate) fn integrity(what: &str) -> StoreError {
     StoreError::Integrity(format!("stored capture state is invalid: {what}"))
 }
 
 /// Maps a driver error, where a unique violation means the materializer's
 /// view of prior state was wrong (an integrity failure, never retryable).
-fn unique_is_integrity(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+pub(crate) fn unique_is_integrity(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     move |e| match &e {
         sqlx::Error::Database(d) if d.code().as_deref() == Some("23505") => integrity(what),
         _ => db_error(e),
@@ -40,13 +40,13 @@ pub(crate) fn to_u64(v: i64) -> Result<u64, StoreError> {
     u64::try_from(v).map_err(|_| integrity("negative position"))
 }
 
-fn digest(bytes: &[u8]) -> Result<Digest, StoreError> {
+pub(crate) fn digest(bytes: &[u8]) -> Result<Digest, StoreError> {
     Ok(Digest(
         bytes.try_into().map_err(|_| integrity("digest length"))?,
     ))
 }
 
-fn version(s: &str) -> Result<ServerVersion, StoreError> {
+pub(crate) fn version(s: &str) -> Result<ServerVersion, StoreError> {
     ServerVersion::parse(s).ok_or_else(|| integrity("server version"))
 }
 

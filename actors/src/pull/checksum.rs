@@ -118,9 +118,18 @@ async fn compute<T: StoreTx>(
             ));
         }
     }
+    digest_of(current, scope, &members)
+}
+
+/// The scope digest of `members` (in row-identity order) under `current`.
+pub fn digest_of(
+    current: &Manifest,
+    scope: &ScopeId,
+    members: &[(protocol::digest::RowIdentity, Digest)],
+) -> Result<Digest, StoreError> {
     let schema_hash = current.hash();
     let mut d = ScopeDigest::new(&schema_hash, scope.as_str(), members.len() as u64);
-    for (identity, row) in &members {
+    for (identity, row) in members {
         d.push(identity, row);
     }
     d.finish()
@@ -128,7 +137,7 @@ async fn compute<T: StoreTx>(
 }
 
 /// A projection's row digest under the current manifest.
-fn reproject(current: &Manifest, p: &Projection) -> Result<Digest, StoreError> {
+pub fn reproject(current: &Manifest, p: &Projection) -> Result<Digest, StoreError> {
     let bad = |what: &str| StoreError::Integrity(format!("a projection {what}"));
     let table = current
         .table(&p.table_id)

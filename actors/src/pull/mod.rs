@@ -23,18 +23,15 @@ use protocol::wire::pull::{Change, ChangeOp, PageEnd, PullRequest, PullResponse}
 use protocol::wire::{AssignmentDelta, PageRow, PrimaryKey};
 use tokio::sync::Semaphore;
 
+use crate::attempt::{self, Failure};
 use crate::capture::{Effect, EffectOp};
 use crate::cursor::{self, CursorContext, Presented};
-use crate::registry::{Registry, reconcile_assignment, store_error};
+use crate::registry::{Registry, reconcile_assignment};
 use crate::reply::Reply;
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 use crate::stream::Checkpoint;
 use checksum::ChecksumCache;
 use page::ScopeEffects;
-
-/// How often a pull whose snapshot lost a write conflict runs again before
-/// it answers 503.
-const SNAPSHOT_ATTEMPTS: usize = 4;
 
 /// The pull actor's state: the registry (schema, assignment, membership
 /// generations, the shared token keys), the checksum cache, and admission.
@@ -66,21 +63,12 @@ impl<S: Store> Puller<S> {
 
     /// `/sync/pull` for the authenticated `user_id`, at server time `now_micros`.
     pub async fn pull(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        let mut last = None;
-        for _ in 0..SNAPSHOT_ATTEMPTS {
-            match self.pull_once(user_id, body, now_micros).await {
-                Ok(r) => return Reply::ok(r.to_body()),
-                // A snapshot that lost a write conflict (or a lost
-                // connection) runs again: the client never sees it.
-                Err(Failure::Store(StoreError::Unavailable(m))) => {
-                    last = Some(StoreError::Unavailable(m));
-                }
-                Err(Failure::Store(e)) => return Reply::error(&store_error(e)),
-                Err(Failure::Protocol(e)) => return Reply::error(&e),
-            }
-        }
-        let e = last.unwrap_or(StoreError::Unavailable("no attempt".into()));
-        Reply::error(&store_error(e))
+        attempt::retried(|| async {
+            self.pull_once(user_id, body, now_micros)
+                .await
+                .map(|r| r.to_body())
+        })
+        .await
     }
 
     /// One attempt in one snapshot transaction; nothing is written unless it commits.
@@ -101,25 +89,15 @@ impl<S: Store> Puller<S> {
             .as_ref()
             .ok()
             .and_then(protocol::wire::client_id_member);
-        let client = match named {
-            Some(client_id) => tx.lock_client(client_id).await?,
-            None => None,
-        };
-        if named.is_some() && client.as_ref().is_none_or(|c| c.user_id != user_id) {
-            return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
-        }
+        let client = attempt::bind(&mut tx, user_id, named).await?;
         // 3. Structure, with every limit.
         let req = PullRequest::from_value(parsed?)?;
         let Some(mut client) = client else {
             return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
         };
-        // 4. Retirement.
-        if client.retired {
-            return Err(ProtocolError::new(ErrorKind::ClientRetired).into());
-        }
-        // 6. The generation gate, then the schema gate.
+        // 4. Retirement; 6. the generation gate, then the schema gate.
         let current = self.registry.current().clone();
-        gates(&req, &client, &current)?;
+        attempt::gates(&client, req.client_generation, req.schema, &current)?;
         // The request rules judged against the client's state.
         scope_rules(&req, &client)?;
         // 7. Cursors: any misbound one fails the whole request.
@@ -328,45 +306,6 @@ impl<S: Store> Puller<S> {
         tx.put_checkpoints(&client.client_id, &advanced).await?;
         Ok(())
     }
-}
-
-/// Why one attempt failed: a store failure (an operational one is retried)
-/// or the protocol answer.
-enum Failure {
-    Store(StoreError),
-    Protocol(ProtocolError),
-}
-
-impl From<StoreError> for Failure {
-    fn from(e: StoreError) -> Failure {
-        Failure::Store(e)
-    }
-}
-
-impl From<ProtocolError> for Failure {
-    fn from(e: ProtocolError) -> Failure {
-        Failure::Protocol(e)
-    }
-}
-
-/// Step 6: the exact current generation, then the exact current schema.
-fn gates(
-    req: &PullRequest,
-    client: &ClientRecord,
-    current: &Manifest,
-) -> Result<(), ProtocolError> {
-    if req.client_generation != client.generation {
-        return Err(ProtocolError::new(ErrorKind::ClientGenerationExpired {
-            current_client_generation: client.generation,
-        }));
-    }
-    if req.schema != current.reference() {
-        return Err(ProtocolError::new(ErrorKind::SchemaMismatch {
-            current_schema: current.reference(),
-            received_schema: req.schema,
-        }));
-    }
-    Ok(())
 }
 
 /// Request rules 3 and 6: no future scope-set version, and only scopes

@@ -23,6 +23,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use crate::staging::{RebuildSession, StagedRow};
 use crate::stream::{Checkpoint, MembershipRules, StreamState};
 
 /// A store operation failed. Every kind rolls the transaction back.
@@ -294,6 +295,63 @@ pub trait StoreTx: Send {
         scope: &ScopeId,
         before: StreamPosition,
     ) -> impl Future<Output = Result<Option<StreamPosition>, StoreError>> + Send;
+
+    /// The rebuild session of this client's attempt `rebuild_id`, if any.
+    fn rebuild_session(
+        &mut self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> impl Future<Output = Result<Option<RebuildSession>, StoreError>> + Send;
+
+    /// Creates `session` (replacing this client's session of the same
+    /// `rebuild_id`, its stage and pages; one a concurrent request created
+    /// is `Unavailable`) and stages every member of its
+    /// scope this snapshot holds, inside the store, in row-identity order
+    /// from ordinal 0, each with its projection's digest or its digest in
+    /// `digests`. The number of rows staged.
+    fn stage_rebuild(
+        &mut self,
+        session: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Every staged row's identity and digest, in stage order.
+    fn staged_digests(
+        &mut self,
+        session_id: &CanonicalUuid,
+    ) -> impl Future<Output = Result<Vec<(RowIdentity, Digest)>, StoreError>> + Send;
+
+    /// Records the staged scope's digest: the session is complete.
+    fn seal_rebuild_session(
+        &mut self,
+        session_id: &CanonicalUuid,
+        digest: &Digest,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The staged rows from ordinal `from`, at most `max` of them.
+    fn staged_rows(
+        &mut self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<StagedRow>, StoreError>> + Send;
+
+    /// The stored body of the session's page that starts at `ordinal`.
+    fn rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
+
+    /// Stores the body of the session's page that starts at `ordinal`. A
+    /// page a concurrent request stored is `Unavailable` (the retry replays
+    /// it); one this snapshot holds already, an integrity failure.
+    fn put_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// The effects of a scope after `after` and through `through`, in position order.
     fn scope_effects(

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use invariants::pull::{Applied, Replica};
+use invariants::pull::{Applied, RebuildStep, Rebuilding, Replica};
 use protocol::digest::Digest;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
@@ -130,6 +130,8 @@ pub struct PullClient<S: Store> {
     pub client_id: String,
     pub generation: u64,
     pub replica: Replica,
+    /// Rebuild attempts made, for their `rebuild_id`s.
+    pub attempts: u64,
 }
 
 impl<S: Store> PullClient<S> {
@@ -157,6 +159,7 @@ impl<S: Store> PullClient<S> {
             client_id: client_id.into(),
             generation: super::int(&v.as_object().unwrap()["client_generation"]),
             replica,
+            attempts: 0,
         }
     }
 
@@ -186,23 +189,67 @@ impl<S: Store> PullClient<S> {
         applied
     }
 
-    /// Installs the origin cursor on every scope that needs a rebuild.
+    /// Rebuilds every scope that needs it through `/sync/rebuild`.
     pub async fn rebuild(&mut self) {
-        for (scope, local) in &mut self.replica.scopes {
-            if local.cursor.is_none() {
-                local.rows.clear();
-                local.cursor = Some(
-                    origin_cursor(
-                        &self.store,
-                        &self.user,
-                        &self.client_id,
-                        self.generation,
-                        scope,
-                    )
-                    .await,
-                );
+        let stale: Vec<String> = self
+            .replica
+            .scopes
+            .iter()
+            .filter(|(_, l)| l.cursor.is_none())
+            .map(|(s, _)| s.clone())
+            .collect();
+        for scope in stale {
+            self.rebuild_scope(&scope, 1000).await;
+        }
+    }
+
+    /// Rebuilds `scope` in pages of `limit` in a new attempt; every page,
+    /// which must answer 200, applied to the replica. The pages' bodies.
+    pub async fn rebuild_scope(&mut self, scope: &str, limit: u16) -> Vec<Vec<u8>> {
+        let mut attempt = self.new_attempt(scope);
+        let mut pages = Vec::new();
+        loop {
+            let r = self
+                .node
+                .send(
+                    Route::Rebuild,
+                    &self.user,
+                    self.rebuild_body(&attempt, limit),
+                )
+                .await;
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let step = self.replica.apply_rebuild(&mut attempt, &r.body).unwrap();
+            pages.push(r.body);
+            match step {
+                RebuildStep::More(_) => {}
+                RebuildStep::Done => return pages,
+                RebuildStep::Mismatch => panic!("a rebuilt scope's checksum did not verify"),
             }
         }
+    }
+
+    /// A new rebuild attempt of `scope`, with a new `rebuild_id`.
+    pub fn new_attempt(&mut self, scope: &str) -> Rebuilding {
+        self.attempts += 1;
+        let id = format!("00000000-0000-4000-8000-{:012x}", self.attempts);
+        Rebuilding::new(scope, &id)
+    }
+
+    /// The rebuild request of `attempt`'s next page.
+    pub fn rebuild_body(&self, attempt: &Rebuilding, limit: u16) -> Vec<u8> {
+        let cursor = attempt
+            .continuation
+            .clone()
+            .map_or(Value::Null, Value::string);
+        json::to_canonical(&json::object([
+            ("client_id", Value::string(self.client_id.clone())),
+            ("client_generation", Value::int(self.generation as i64)),
+            ("schema", self.replica_schema()),
+            ("scope", Value::string(attempt.scope.clone())),
+            ("rebuild_id", Value::string(attempt.rebuild_id.clone())),
+            ("cursor", cursor),
+            ("limit", Value::int(i64::from(limit))),
+        ]))
     }
 
     /// Rebuilds what needs it, then pulls to a terminal page; the changes seen.
@@ -537,7 +584,8 @@ async fn stale_and_forged<W: CaptureWorld>(world: &W, node: &Node) {
 }
 
 impl<S: Store> PullClient<S> {
-    fn replica_schema(&self) -> Value {
+    /// The schema reference the client presents.
+    pub fn replica_schema(&self) -> Value {
         let b = json::parse(&self.body(1)).unwrap();
         b.as_object().unwrap()["schema"].clone()
     }

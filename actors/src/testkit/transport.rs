@@ -16,6 +16,7 @@ pub enum Route {
     Connect,
     Push,
     Pull,
+    Rebuild,
 }
 
 impl Route {
@@ -25,6 +26,7 @@ impl Route {
             Route::Connect => "/sync/connect",
             Route::Push => "/sync/push",
             Route::Pull => "/sync/pull",
+            Route::Rebuild => "/sync/rebuild",
         }
     }
 }
@@ -52,6 +54,7 @@ impl Transport {
                     Route::Connect => engine.connect(&user, body, super::NOW).await,
                     Route::Push => engine.push(&user, body, super::NOW).await,
                     Route::Pull => engine.pull(&user, body, super::NOW).await,
+                    Route::Rebuild => engine.rebuild(&user, body, super::NOW).await,
                 }
             })
         })

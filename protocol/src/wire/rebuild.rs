@@ -27,7 +27,12 @@ pub struct RebuildRequest {
 impl RebuildRequest {
     /// Parses a rebuild body.
     pub fn parse(body: &[u8]) -> Result<RebuildRequest, ProtocolError> {
-        let mut m = Members::new(parse_body(body)?, "rebuild request")?;
+        RebuildRequest::from_value(parse_body(body)?)
+    }
+
+    /// Validates an already parsed body.
+    pub fn from_value(body: Value) -> Result<RebuildRequest, ProtocolError> {
+        let mut m = Members::new(body, "rebuild request")?;
         let (client_id, client_generation) = client_identity(&mut m)?;
         let schema = schema_ref(&m.take("schema")?, "schema")?;
         let scope = m.take("scope")?;

@@ -71,7 +71,7 @@ pub(super) struct CaptureState {
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
-    projections: BTreeMap<(String, RowIdentity), Projection>,
+    pub(super) projections: BTreeMap<(String, RowIdentity), Projection>,
     dependencies: BTreeMap<(String, String), DependencyRow>,
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
     /// Every materialized source transaction, by commit LSN.

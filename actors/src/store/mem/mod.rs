@@ -4,6 +4,7 @@
 
 mod capture;
 mod push;
+mod rebuild;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
+use crate::staging::{RebuildSession, StagedRow};
 use crate::stream::{Checkpoint, MembershipRules, StreamState};
 pub use capture::{MemFeed, SourceError};
 
@@ -42,6 +44,7 @@ struct State {
     membership_rules: Vec<MembershipRules>,
     token_keys: Vec<TokenKey>,
     checkpoints: BTreeMap<(String, ScopeId), Checkpoint>,
+    rebuilds: rebuild::Rebuilds,
 }
 
 /// An in-memory database.
@@ -83,6 +86,7 @@ impl MemStore {
                 membership_rules: Vec::new(),
                 token_keys: Vec::new(),
                 checkpoints: BTreeMap::new(),
+                rebuilds: rebuild::Rebuilds::default(),
             })),
             log_len: Arc::new(watch::channel(0).0),
             leader: Arc::new(AtomicBool::new(false)),
@@ -517,6 +521,63 @@ impl StoreTx for MemTx {
         through: Boundary,
     ) -> Result<Vec<Effect>, StoreError> {
         Ok(MemTx::scope_effects(self, scope, after, through))
+    }
+
+    async fn rebuild_session(
+        &mut self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> Result<Option<RebuildSession>, StoreError> {
+        Ok(MemTx::rebuild_session(self, client_id, rebuild_id))
+    }
+
+    async fn stage_rebuild(
+        &mut self,
+        session: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> Result<u64, StoreError> {
+        MemTx::stage_rebuild(self, session, digests)
+    }
+
+    async fn staged_digests(
+        &mut self,
+        session_id: &CanonicalUuid,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        MemTx::staged_digests(self, session_id)
+    }
+
+    async fn seal_rebuild_session(
+        &mut self,
+        session_id: &CanonicalUuid,
+        digest: &Digest,
+    ) -> Result<(), StoreError> {
+        MemTx::seal_rebuild_session(self, session_id, digest)
+    }
+
+    async fn staged_rows(
+        &mut self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<Vec<StagedRow>, StoreError> {
+        MemTx::staged_rows(self, session_id, from, max)
+    }
+
+    async fn rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(MemTx::rebuild_page(self, session_id, ordinal))
+    }
+
+    async fn put_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        MemTx::put_rebuild_page(self, session_id, ordinal, body)
     }
 
     async fn push_ledger(

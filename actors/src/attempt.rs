@@ -1,0 +1,99 @@
+//! What pull and rebuild share: a request answered in one snapshot
+//! transaction, run again when the snapshot loses a race, and the outer
+//! steps of the dispatch before their own (bind, retirement, the
+//! generation and schema gates).
+
+use std::future::Future;
+
+use protocol::error::{ErrorKind, ProtocolError};
+use protocol::manifest::{Manifest, SchemaRef};
+
+use crate::registry::store_error;
+use crate::reply::Reply;
+use crate::store::{ClientRecord, StoreError, StoreTx};
+
+/// How often an attempt whose snapshot lost a write conflict runs again
+/// before it answers 503.
+const SNAPSHOT_ATTEMPTS: usize = 4;
+
+/// Why one attempt failed: a store failure (an operational one is retried)
+/// or the protocol answer.
+pub enum Failure {
+    Store(StoreError),
+    Protocol(ProtocolError),
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Failure {
+        Failure::Store(e)
+    }
+}
+
+impl From<ProtocolError> for Failure {
+    fn from(e: ProtocolError) -> Failure {
+        Failure::Protocol(e)
+    }
+}
+
+/// Runs `attempt` until it answers: a snapshot that lost a write conflict
+/// (or a lost connection) runs again, and the client never sees it.
+pub async fn retried<F, Fut>(mut attempt: F) -> Reply
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Vec<u8>, Failure>>,
+{
+    let mut last = None;
+    for _ in 0..SNAPSHOT_ATTEMPTS {
+        match attempt().await {
+            Ok(body) => return Reply::ok(body),
+            Err(Failure::Store(StoreError::Unavailable(m))) => {
+                last = Some(StoreError::Unavailable(m));
+            }
+            Err(Failure::Store(e)) => return Reply::error(&store_error(e)),
+            Err(Failure::Protocol(e)) => return Reply::error(&e),
+        }
+    }
+    let e = last.unwrap_or(StoreError::Unavailable("no attempt".into()));
+    Reply::error(&store_error(e))
+}
+
+/// Step 1: the client `client_id` names, locked, when it is bound to
+/// `user_id`; `None` when the body names none (structure decides).
+pub async fn bind<T: StoreTx>(
+    tx: &mut T,
+    user_id: &str,
+    client_id: Option<&str>,
+) -> Result<Option<ClientRecord>, Failure> {
+    let Some(client_id) = client_id else {
+        return Ok(None);
+    };
+    match tx.lock_client(client_id).await? {
+        Some(c) if c.user_id == user_id => Ok(Some(c)),
+        _ => Err(ProtocolError::new(ErrorKind::AuthRequired).into()),
+    }
+}
+
+/// Steps 4 and 6: retirement, the exact current generation, then the
+/// exact current schema.
+pub fn gates(
+    client: &ClientRecord,
+    presented_generation: u64,
+    schema: SchemaRef,
+    current: &Manifest,
+) -> Result<(), ProtocolError> {
+    if client.retired {
+        return Err(ProtocolError::new(ErrorKind::ClientRetired));
+    }
+    if presented_generation != client.generation {
+        return Err(ProtocolError::new(ErrorKind::ClientGenerationExpired {
+            current_client_generation: client.generation,
+        }));
+    }
+    if schema != current.reference() {
+        return Err(ProtocolError::new(ErrorKind::SchemaMismatch {
+            current_schema: current.reference(),
+            received_schema: schema,
+        }));
+    }
+    Ok(())
+}

@@ -1,0 +1,423 @@
+//! `/sync/rebuild` (wire spec "Rebuild", ADR 003 "Rebuild contract"): one
+//! assigned scope served from one immutable staged snapshot, page by page,
+//! each page stored and replayed byte for byte.
+//!
+//! `Rebuilder::rebuild_once` is the whole dispatch, in the spec's order:
+//! bind, the boundary, structure, retirement, the generation and schema
+//! gates, the continuation, admission, the capture gates, then the first
+//! page (a new or reused session) or the continued one. A rebuild writes
+//! only its own session, stage and pages: never a checkpoint, an
+//! assignment, or another scope's state.
+
+use std::sync::Arc;
+
+use protocol::digest::row_digest;
+use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
+use protocol::ids::CanonicalUuid;
+use protocol::json::{self, Canonical};
+use protocol::manifest::Manifest;
+use protocol::position::StreamPosition;
+use protocol::wire::rebuild::{RebuildEnd, RebuildPage, RebuildRequest, Record};
+use protocol::wire::{PageRow, PrimaryKey};
+use tokio::sync::Semaphore;
+
+use crate::attempt::{self, Failure};
+use crate::cursor::{self, ContinuationRequest, Continued, CursorContext};
+use crate::pull::checksum::{digest_of, reproject};
+use crate::registry::Registry;
+use crate::reply::Reply;
+use crate::staging::{RebuildSession, SESSION_LIFETIME_MICROS, StagedRow};
+use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+
+/// The rebuild actor: the registry (schema, assignment, membership
+/// generations, keys) and the page admission it shares with pull.
+pub struct Rebuilder<S: Store> {
+    store: S,
+    registry: Arc<Registry<S>>,
+    admission: Arc<Semaphore>,
+}
+
+/// What the request asks for, once its continuation is judged current.
+enum Asked {
+    /// `cursor: null`: the first page of a new or reused session.
+    First,
+    /// The page a current continuation points to: its session's, at its ordinal.
+    Page {
+        session_id: CanonicalUuid,
+        ordinal: u64,
+    },
+}
+
+impl<S: Store> Rebuilder<S> {
+    /// A rebuilder that serves a page only with a permit of `admission`.
+    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Semaphore>) -> Self {
+        Rebuilder {
+            store,
+            registry,
+            admission,
+        }
+    }
+
+    /// `/sync/rebuild` for the authenticated `user_id`, at server time `now_micros`.
+    pub async fn rebuild(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
+        attempt::retried(|| self.rebuild_once(user_id, body, now_micros)).await
+    }
+
+    /// One attempt in one snapshot transaction; nothing is written unless it commits.
+    async fn rebuild_once(
+        &self,
+        user_id: &str,
+        body: &[u8],
+        now_micros: i64,
+    ) -> Result<Vec<u8>, Failure> {
+        let parsed = protocol::wire::parse_body(body);
+        // A new session's id, drawn before the snapshot (entropy is not state).
+        let session_id = fresh_session_id(&self.store).await?;
+        let mut tx = self.store.begin_snapshot().await?;
+        // The first read fixes the boundary B a new session stages at.
+        let progress = tx.capture_progress().await?;
+        // 1. Bind client_id to the user.
+        let named = parsed
+            .as_ref()
+            .ok()
+            .and_then(protocol::wire::client_id_member);
+        let client = attempt::bind(&mut tx, user_id, named).await?;
+        // 3. Structure, with every limit.
+        let req = RebuildRequest::from_value(parsed?)?;
+        let Some(client) = client else {
+            return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
+        };
+        // 4. Retirement; 6. the generation gate, then the schema gate.
+        let current = self.registry.current().clone();
+        attempt::gates(&client, req.client_generation, req.schema, &current)?;
+        // 7. The continuation, and the scope's assignment.
+        let ctx = CursorContext {
+            user_id,
+            client_id: &client.client_id,
+            client_generation: client.generation,
+            schema_hash: current.hash(),
+            stream: tx.stream_state().await?,
+            boundary: progress.boundary,
+            now_micros,
+        };
+        let membership_generation = self.registry.membership().generation_of(&req.scope);
+        let assigned = client.assigned.contains(&req.scope)
+            && self
+                .registry
+                .assignment(&mut tx, user_id)
+                .await?
+                .contains(&req.scope);
+        let asked = self.judge(&ctx, &req, &client, membership_generation, assigned)?;
+        // 8. Admission control.
+        let Ok(_permit) = self.admission.clone().try_acquire_owned() else {
+            return Err(ProtocolError::new(ErrorKind::RetryLater).into());
+        };
+        // 9. Execute: capture must have materialized what this client wrote.
+        if progress.quarantine.is_some() {
+            return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
+                reason: Some(UnavailableReason::CaptureBlocked),
+            })
+            .into());
+        }
+        if tx.has_pending_fence(&client.client_id).await? {
+            return Err(ProtocolError::new(ErrorKind::CapturePending).into());
+        }
+        let (session, ordinal) = match asked {
+            Asked::First => {
+                let context = SessionContext {
+                    ctx: &ctx,
+                    client: &client,
+                    req: &req,
+                    membership_generation,
+                };
+                let session = match tx
+                    .rebuild_session(&client.client_id, &req.rebuild_id)
+                    .await?
+                {
+                    Some(s) => context.reuse(s)?,
+                    None => {
+                        self.stage(&mut tx, &current, context.session(session_id))
+                            .await?
+                    }
+                };
+                (session, 0)
+            }
+            Asked::Page {
+                session_id,
+                ordinal,
+            } => {
+                match tx
+                    .rebuild_session(&client.client_id, &req.rebuild_id)
+                    .await?
+                {
+                    Some(s) if s.session_id == session_id && s.digest.is_some() => (s, ordinal),
+                    // Replaced or swept: the session it continues is gone.
+                    _ => return Err(restart(&req).into()),
+                }
+            }
+        };
+        let body = self
+            .page(&mut tx, &ctx, &current, &session, ordinal)
+            .await?;
+        tx.commit().await?;
+        Ok(body)
+    }
+
+    /// Step 7: a continuation is current, stale (409) or misbound (400); a
+    /// scope no longer assigned cannot continue (409) or start (400).
+    fn judge(
+        &self,
+        ctx: &CursorContext<'_>,
+        req: &RebuildRequest,
+        client: &ClientRecord,
+        membership_generation: u64,
+        assigned: bool,
+    ) -> Result<Asked, ProtocolError> {
+        let Some(token) = &req.cursor else {
+            if !assigned {
+                return Err(ProtocolError::invalid_request(
+                    "the scope is not assigned to this client",
+                ));
+            }
+            return Ok(Asked::First);
+        };
+        let presented = ContinuationRequest {
+            scope: &req.scope,
+            rebuild_id: &req.rebuild_id,
+            limit: req.limit,
+            membership_generation,
+            accepted_write_epoch: client.accepted_write_epoch,
+        };
+        match cursor::judge_continuation(self.registry.keys(), ctx, &presented, token) {
+            Err(_) => Err(ProtocolError::invalid_request(
+                "the continuation is not valid",
+            )),
+            Ok(Continued::Stale) => Err(restart(req)),
+            Ok(Continued::Valid(_)) if !assigned => Err(restart(req)),
+            Ok(Continued::Valid(b)) if b.snapshot_boundary > ctx.boundary => Err(restart(req)),
+            Ok(Continued::Valid(b)) => Ok(Asked::Page {
+                session_id: b.session_id,
+                ordinal: b.next_row_ordinal,
+            }),
+        }
+    }
+
+    /// Stages `session`'s scope at the snapshot's boundary, inside the
+    /// store, and seals it with the digest of what was staged.
+    async fn stage(
+        &self,
+        tx: &mut S::Tx,
+        current: &Manifest,
+        mut session: RebuildSession,
+    ) -> Result<RebuildSession, Failure> {
+        // Members whose digest predates the current manifest are staged
+        // with their digest under it; one it cannot represent fails the
+        // whole staging (503, no session).
+        let mut digests = Vec::new();
+        if tx.has_stale_projections(current.schema_version()).await? {
+            for p in tx
+                .stale_scope_members(&session.scope, current.schema_version())
+                .await?
+            {
+                let d = reproject(current, &p).map_err(|_| unrepresentable())?;
+                digests.push((p.identity, d));
+            }
+        }
+        let rows = tx.stage_rebuild(&session, &digests).await?;
+        let staged = tx.staged_digests(&session.session_id).await?;
+        assert_eq!(staged.len() as u64, rows, "the stage holds what was staged");
+        assert!(
+            staged.windows(2).all(|w| w[0].0 < w[1].0),
+            "the stage is in strictly increasing row-identity order"
+        );
+        let digest = digest_of(current, &session.scope, &staged)?;
+        tx.seal_rebuild_session(&session.session_id, &digest)
+            .await?;
+        session.digest = Some(digest);
+        Ok(session)
+    }
+
+    /// The session's page at `ordinal`: the stored one, or built from the
+    /// stage and stored.
+    async fn page(
+        &self,
+        tx: &mut S::Tx,
+        ctx: &CursorContext<'_>,
+        current: &Manifest,
+        session: &RebuildSession,
+        ordinal: u64,
+    ) -> Result<Vec<u8>, Failure> {
+        if let Some(body) = tx.rebuild_page(&session.session_id, ordinal).await? {
+            return Ok(body);
+        }
+        let limit = usize::from(session.page_limit);
+        let rows = tx
+            .staged_rows(&session.session_id, ordinal, limit + 1)
+            .await?;
+        assert!(
+            rows.iter()
+                .zip(ordinal..)
+                .all(|(r, expected)| r.ordinal == expected),
+            "stage ordinals are dense from the page's first"
+        );
+        let more = rows.len() > limit;
+        let records = rows
+            .iter()
+            .take(limit)
+            .map(|r| record(current, r))
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        assert!(records.len() <= limit, "a page never exceeds its limit");
+        let keys = self.registry.keys();
+        let end = if more {
+            let next = ordinal + limit as u64;
+            RebuildEnd::More {
+                cursor: cursor::continuation(keys, ctx, session, next)
+                    .ok_or_else(|| StoreError::Integrity("a session's page limit".into()))?,
+            }
+        } else {
+            RebuildEnd::Final {
+                final_scope_cursor: cursor::issue(
+                    keys,
+                    ctx,
+                    &session.scope,
+                    session.membership_generation,
+                    StreamPosition::from(session.boundary),
+                ),
+                checksum: session
+                    .digest
+                    .ok_or_else(|| StoreError::Integrity("an unsealed session".into()))?,
+            }
+        };
+        let body = RebuildPage {
+            scope: session.scope.clone(),
+            records,
+            end,
+        }
+        .to_body();
+        tx.put_rebuild_page(&session.session_id, ordinal, &body)
+            .await?;
+        Ok(body)
+    }
+}
+
+/// The context a first request creates a session in, or must find a
+/// reused one in.
+struct SessionContext<'a> {
+    ctx: &'a CursorContext<'a>,
+    client: &'a ClientRecord,
+    req: &'a RebuildRequest,
+    membership_generation: u64,
+}
+
+impl SessionContext<'_> {
+    /// A new session, expiring exactly 24 hours from now.
+    fn session(&self, session_id: CanonicalUuid) -> RebuildSession {
+        RebuildSession {
+            session_id,
+            client_id: self.client.client_id.clone(),
+            rebuild_id: self.req.rebuild_id,
+            scope: self.req.scope.clone(),
+            client_generation: self.client.generation,
+            schema_hash: self.ctx.schema_hash,
+            stream_generation: self.ctx.stream.generation,
+            membership_generation: self.membership_generation,
+            retention_generation: self.ctx.stream.retention_generation,
+            accepted_write_epoch: self.client.accepted_write_epoch,
+            boundary: self.ctx.boundary,
+            page_limit: self.req.limit.get(),
+            expires_at: self.ctx.now_micros.saturating_add(SESSION_LIFETIME_MICROS),
+            digest: None,
+        }
+    }
+
+    /// The stored session of this attempt, reused when it was staged for
+    /// this exact scope and limit (otherwise the attempt's ID names another
+    /// rebuild: 400) and its context is still current (otherwise 409).
+    fn reuse(&self, s: RebuildSession) -> Result<RebuildSession, ProtocolError> {
+        if s.scope != self.req.scope || s.page_limit != self.req.limit.get() {
+            return Err(ProtocolError::invalid_request(
+                "rebuild_id names another rebuild",
+            ));
+        }
+        let fresh = self.session(s.session_id);
+        let current = s.client_generation == fresh.client_generation
+            && s.schema_hash == fresh.schema_hash
+            && s.stream_generation == fresh.stream_generation
+            && s.membership_generation == fresh.membership_generation
+            && s.retention_generation == fresh.retention_generation
+            && s.accepted_write_epoch == fresh.accepted_write_epoch
+            && s.boundary <= fresh.boundary
+            && self.ctx.now_micros < s.expires_at
+            && s.digest.is_some();
+        if current {
+            Ok(s)
+        } else {
+            Err(restart(self.req))
+        }
+    }
+}
+
+/// 409 `rebuild_restart_required` for the request's scope.
+fn restart(req: &RebuildRequest) -> ProtocolError {
+    ProtocolError::new(ErrorKind::RebuildRestartRequired {
+        scope_id: req.scope.as_str().to_owned(),
+    })
+}
+
+/// A staged scope the current manifest cannot represent: staging fails as
+/// a whole, with no session (ADR 003).
+fn unrepresentable() -> ProtocolError {
+    ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })
+        .with_message("a row of the scope cannot be staged")
+}
+
+/// The record of one staged row: its table, its typed key (the row's
+/// primary key field), the row spliced as its stored text, its digest and
+/// version.
+fn record(current: &Manifest, r: &StagedRow) -> Result<Record, StoreError> {
+    let bad = |what: &str| StoreError::Integrity(format!("a staged row {what}"));
+    let table = current
+        .table(&r.table_id)
+        .ok_or_else(|| bad("names a table the manifest lacks"))?;
+    let row = json::parse(r.row.as_bytes()).map_err(|_| bad("is not JSON"))?;
+    let object = row.as_object().ok_or_else(|| bad("is not an object"))?;
+    let field_id = table.primary_key_field_id();
+    let value = object
+        .get(field_id)
+        .cloned()
+        .ok_or_else(|| bad("has no primary key"))?;
+    // Debug builds (every test, the simulator) check the staged digest.
+    #[cfg(debug_assertions)]
+    {
+        let decoded = table
+            .decode_row(object)
+            .map_err(|_| bad("does not fit the manifest"))?;
+        assert_eq!(
+            r.digest,
+            row_digest(&current.hash(), table, &r.identity, &decoded, &r.version),
+            "a staged digest is its row's"
+        );
+    }
+    Ok(Record {
+        table: r.table_id.clone(),
+        pk: PrimaryKey {
+            field_id: field_id.to_owned(),
+            value,
+        },
+        image: PageRow {
+            row: Canonical::stored(r.row.clone()),
+            checksum: r.digest,
+        },
+        server_version: r.version.clone(),
+    })
+}
+
+/// A version 4 UUID from the store's entropy (MemStore: its seeded RNG).
+async fn fresh_session_id<S: Store>(store: &S) -> Result<CanonicalUuid, StoreError> {
+    let secret = store.fresh_secret().await?;
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&secret[..16]);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    CanonicalUuid::from_bytes(b).ok_or_else(|| StoreError::Integrity("a nil session id".into()))
+}

@@ -1,0 +1,46 @@
+//! What a rebuild keeps (wire spec "Rebuild", ADR 003 "Durable immutable
+//! staged rebuild snapshot"): a session bound to one exact rebuild
+//! identity and context, its staged rows in row-identity order, and the
+//! pages it has answered. Data only; the rebuild actor decides.
+
+use protocol::digest::{Digest, RowIdentity};
+use protocol::ids::{CanonicalUuid, ScopeId, ServerVersion};
+use protocol::position::Boundary;
+
+/// A session lives exactly this long after its creation, never extended.
+pub const SESSION_LIFETIME_MICROS: i64 = 24 * 60 * 60 * 1_000_000;
+
+/// One rebuild session: the context it was staged in, fixed at creation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RebuildSession {
+    pub session_id: CanonicalUuid,
+    pub client_id: String,
+    pub rebuild_id: CanonicalUuid,
+    pub scope: ScopeId,
+    pub client_generation: u64,
+    pub schema_hash: Digest,
+    pub stream_generation: u64,
+    pub membership_generation: u64,
+    pub retention_generation: u64,
+    pub accepted_write_epoch: u64,
+    /// The snapshot boundary B.
+    pub boundary: Boundary,
+    pub page_limit: u16,
+    pub expires_at: i64,
+    /// The digest of the staged scope, once staging completed.
+    pub digest: Option<Digest>,
+}
+
+/// One staged row, at its place in the stage's row-identity order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StagedRow {
+    pub ordinal: u64,
+    pub table_id: String,
+    pub identity: RowIdentity,
+    /// The projection's canonical row text (tombstones included); its
+    /// primary key field is the record's typed key.
+    pub row: String,
+    pub version: ServerVersion,
+    /// The row digest under the session's manifest.
+    pub digest: Digest,
+}

@@ -1,0 +1,159 @@
+//! MemStore's rebuild sessions: each with its stage and answered pages.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use protocol::digest::{Digest, RowIdentity};
+use protocol::ids::CanonicalUuid;
+
+use super::MemTx;
+use crate::staging::{RebuildSession, StagedRow};
+use crate::store::StoreError;
+
+/// One session and what it holds.
+#[derive(Clone, Debug)]
+struct Held {
+    session: RebuildSession,
+    /// Immutable once staged; shared by every transaction's copy of the state.
+    stage: Arc<Vec<StagedRow>>,
+    pages: BTreeMap<u64, Vec<u8>>,
+}
+
+/// Every rebuild session, by session ID.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Rebuilds {
+    sessions: BTreeMap<CanonicalUuid, Held>,
+}
+
+fn missing() -> StoreError {
+    StoreError::Integrity("no such rebuild session".into())
+}
+
+impl MemTx {
+    pub(super) fn rebuild_session(
+        &self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> Option<RebuildSession> {
+        self.work
+            .rebuilds
+            .sessions
+            .values()
+            .find(|h| h.session.client_id == client_id && h.session.rebuild_id == *rebuild_id)
+            .map(|h| h.session.clone())
+    }
+
+    pub(super) fn stage_rebuild(
+        &mut self,
+        session: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> Result<u64, StoreError> {
+        let digests: BTreeMap<&RowIdentity, &Digest> =
+            digests.iter().map(|(i, d)| (i, d)).collect();
+        let c = &self.work.capture;
+        let stage = c
+            .members
+            .range((session.scope.clone(), RowIdentity::from_bytes(Vec::new()))..)
+            .take_while(|((s, _), _)| *s == session.scope)
+            .enumerate()
+            .map(|(ordinal, ((_, identity), table_id))| {
+                let p = c
+                    .projections
+                    .get(&(table_id.clone(), identity.clone()))
+                    .ok_or(StoreError::Integrity("a member has no projection".into()))?;
+                Ok(StagedRow {
+                    ordinal: ordinal as u64,
+                    table_id: table_id.clone(),
+                    identity: identity.clone(),
+                    row: protocol::json::to_canonical_string(&p.row),
+                    version: p.version.clone(),
+                    digest: digests.get(identity).map_or(p.digest, |d| **d),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let rows = stage.len() as u64;
+        let sessions = &mut self.work.rebuilds.sessions;
+        sessions.retain(|_, h| {
+            h.session.client_id != session.client_id || h.session.rebuild_id != session.rebuild_id
+        });
+        sessions.insert(
+            session.session_id,
+            Held {
+                session: session.clone(),
+                stage: Arc::new(stage),
+                pages: BTreeMap::new(),
+            },
+        );
+        Ok(rows)
+    }
+
+    pub(super) fn staged_digests(
+        &self,
+        session_id: &CanonicalUuid,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        let h = self
+            .work
+            .rebuilds
+            .sessions
+            .get(session_id)
+            .ok_or_else(missing)?;
+        Ok(h.stage
+            .iter()
+            .map(|r| (r.identity.clone(), r.digest))
+            .collect())
+    }
+
+    pub(super) fn seal_rebuild_session(
+        &mut self,
+        session_id: &CanonicalUuid,
+        digest: &Digest,
+    ) -> Result<(), StoreError> {
+        let h = self
+            .work
+            .rebuilds
+            .sessions
+            .get_mut(session_id)
+            .ok_or_else(missing)?;
+        h.session.digest = Some(*digest);
+        Ok(())
+    }
+
+    pub(super) fn staged_rows(
+        &self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<Vec<StagedRow>, StoreError> {
+        let h = self
+            .work
+            .rebuilds
+            .sessions
+            .get(session_id)
+            .ok_or_else(missing)?;
+        let from = usize::try_from(from).unwrap_or(usize::MAX);
+        Ok(h.stage.iter().skip(from).take(max).cloned().collect())
+    }
+
+    pub(super) fn rebuild_page(&self, session_id: &CanonicalUuid, ordinal: u64) -> Option<Vec<u8>> {
+        let h = self.work.rebuilds.sessions.get(session_id)?;
+        h.pages.get(&ordinal).cloned()
+    }
+
+    pub(super) fn put_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        let h = self
+            .work
+            .rebuilds
+            .sessions
+            .get_mut(session_id)
+            .ok_or_else(missing)?;
+        if h.pages.insert(ordinal, body.to_vec()).is_some() {
+            return Err(StoreError::Integrity("a rebuild page stored twice".into()));
+        }
+        Ok(())
+    }
+}

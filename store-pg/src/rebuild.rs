@@ -1,0 +1,278 @@
+//! Rebuild sessions on PostgreSQL: a session row, its stage written by one
+//! `INSERT ... SELECT` from the membership index and the projections in the
+//! caller's snapshot (never through the server's memory), and its pages.
+
+use actors::staging::{RebuildSession, StagedRow};
+use actors::store::StoreError;
+use protocol::digest::{Digest, RowIdentity};
+use protocol::ids::{CanonicalUuid, ScopeId};
+use protocol::position::Boundary;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::materialized::{digest, integrity, to_i64, to_u64, version};
+use crate::{PgTx, db_error};
+
+const SESSION_COLUMNS: &str = "session_id::text, client_id, rebuild_id::text, scope_id, \
+     client_generation, schema_hash, stream_generation, membership_generation, \
+     retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at, digest";
+
+/// Inserts conflict only with a concurrent request of the same attempt
+/// (`ON CONFLICT DO NOTHING` in a repeatable-read snapshot raises a
+/// serialization failure, retryable, and the retry replays what it
+/// stored); nothing inserted means a conflict this snapshot sees.
+fn inserted_once(done: sqlx::postgres::PgQueryResult, what: &str) -> Result<(), StoreError> {
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(integrity(what))
+    }
+}
+
+fn session(r: &PgRow) -> Result<RebuildSession, StoreError> {
+    let get = |e: sqlx::Error| db_error(e);
+    let uuid = |i: usize| -> Result<CanonicalUuid, StoreError> {
+        let s: &str = r.try_get(i).map_err(get)?;
+        CanonicalUuid::parse(s).ok_or_else(|| integrity("rebuild session uuid"))
+    };
+    let count = |i: usize| -> Result<u64, StoreError> { to_u64(r.try_get(i).map_err(get)?) };
+    let scope: &str = r.try_get(3).map_err(get)?;
+    let boundary: Option<i64> = r.try_get(10).map_err(get)?;
+    let limit: i16 = r.try_get(11).map_err(get)?;
+    let sealed: Option<&[u8]> = r.try_get(13).map_err(get)?;
+    Ok(RebuildSession {
+        session_id: uuid(0)?,
+        client_id: r.try_get(1).map_err(get)?,
+        rebuild_id: uuid(2)?,
+        scope: ScopeId::parse(scope).ok_or_else(|| integrity("rebuild scope"))?,
+        client_generation: count(4)?,
+        schema_hash: digest(r.try_get(5).map_err(get)?)?,
+        stream_generation: count(6)?,
+        membership_generation: count(7)?,
+        retention_generation: count(8)?,
+        accepted_write_epoch: count(9)?,
+        boundary: match boundary {
+            None => Boundary::GenerationStart,
+            Some(lsn) => Boundary::TransactionEnd {
+                commit_lsn: to_u64(lsn)?,
+            },
+        },
+        page_limit: u16::try_from(limit).map_err(|_| integrity("page limit"))?,
+        expires_at: r.try_get(12).map_err(get)?,
+        digest: sealed.map(digest).transpose()?,
+    })
+}
+
+impl PgTx {
+    pub(crate) async fn read_rebuild_session(
+        &mut self,
+        client_id: &str,
+        rebuild_id: &CanonicalUuid,
+    ) -> Result<Option<RebuildSession>, StoreError> {
+        sqlx::query(&format!(
+            "SELECT {SESSION_COLUMNS} FROM synchro.rebuild_sessions \
+             WHERE client_id = $1 AND rebuild_id = $2::uuid"
+        ))
+        .bind(client_id)
+        .bind(rebuild_id.to_string())
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .as_ref()
+        .map(session)
+        .transpose()
+    }
+
+    pub(crate) async fn write_stage(
+        &mut self,
+        s: &RebuildSession,
+        digests: &[(RowIdentity, Digest)],
+    ) -> Result<u64, StoreError> {
+        // A new session of the same attempt replaces the old one, its
+        // stage and pages (cascade).
+        sqlx::query(
+            "DELETE FROM synchro.rebuild_sessions WHERE client_id = $1 AND rebuild_id = $2::uuid",
+        )
+        .bind(&s.client_id)
+        .bind(s.rebuild_id.to_string())
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        let boundary = match s.boundary {
+            Boundary::GenerationStart => None,
+            Boundary::TransactionEnd { commit_lsn } => Some(to_i64(commit_lsn)?),
+        };
+        let done_session = sqlx::query(
+            "INSERT INTO synchro.rebuild_sessions (session_id, client_id, rebuild_id, scope_id, \
+             client_generation, schema_hash, stream_generation, membership_generation, \
+             retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at) \
+             VALUES ($1::uuid, $2, $3::uuid, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(s.session_id.to_string())
+        .bind(&s.client_id)
+        .bind(s.rebuild_id.to_string())
+        .bind(s.scope.as_str())
+        .bind(to_i64(s.client_generation)?)
+        .bind(s.schema_hash.0.to_vec())
+        .bind(to_i64(s.stream_generation)?)
+        .bind(to_i64(s.membership_generation)?)
+        .bind(to_i64(s.retention_generation)?)
+        .bind(to_i64(s.accepted_write_epoch)?)
+        .bind(boundary)
+        .bind(i16::try_from(s.page_limit).map_err(|_| integrity("page limit"))?)
+        .bind(s.expires_at)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        inserted_once(done_session, "a rebuild session created twice")?;
+        // The stage, inside the database: every member in identity order,
+        // with its projection (a member without one fails the join's count
+        // below) and its digest, or the one the caller recomputed.
+        let staged = sqlx::query(
+            "INSERT INTO synchro.rebuild_stage \
+             (session_id, ordinal, table_id, identity, row_json, version, digest) \
+             SELECT $1::uuid, row_number() OVER (ORDER BY m.identity) - 1, p.table_id, \
+             p.identity, p.row_json, p.version, COALESCE(o.d, p.digest) \
+             FROM synchro.scope_members m \
+             JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
+             LEFT JOIN UNNEST($3::bytea[], $4::bytea[]) AS o(i, d) ON o.i = m.identity \
+             WHERE m.scope_id = $2",
+        )
+        .bind(s.session_id.to_string())
+        .bind(s.scope.as_str())
+        .bind(
+            digests
+                .iter()
+                .map(|(i, _)| i.as_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            digests
+                .iter()
+                .map(|(_, d)| d.0.to_vec())
+                .collect::<Vec<_>>(),
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .rows_affected();
+        let members: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM synchro.scope_members WHERE scope_id = $1")
+                .bind(s.scope.as_str())
+                .fetch_one(&mut *self.tx)
+                .await
+                .map_err(db_error)?;
+        if staged != to_u64(members)? {
+            return Err(integrity("a member has no projection"));
+        }
+        Ok(staged)
+    }
+
+    pub(crate) async fn read_staged_digests(
+        &mut self,
+        session_id: &CanonicalUuid,
+    ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        sqlx::query(
+            "SELECT identity, digest FROM synchro.rebuild_stage \
+             WHERE session_id = $1::uuid ORDER BY ordinal",
+        )
+        .bind(session_id.to_string())
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(|r| {
+            let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
+            let d: &[u8] = r.try_get(1).map_err(db_error)?;
+            Ok((RowIdentity::from_bytes(identity), digest(d)?))
+        })
+        .collect()
+    }
+
+    pub(crate) async fn write_seal(
+        &mut self,
+        session_id: &CanonicalUuid,
+        d: &Digest,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE synchro.rebuild_sessions SET digest = $2 WHERE session_id = $1::uuid",
+        )
+        .bind(session_id.to_string())
+        .bind(d.0.to_vec())
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if done.rows_affected() != 1 {
+            return Err(integrity("no such rebuild session"));
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn read_staged_rows(
+        &mut self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<Vec<StagedRow>, StoreError> {
+        sqlx::query(
+            "SELECT ordinal, table_id, identity, row_json, version, digest \
+             FROM synchro.rebuild_stage WHERE session_id = $1::uuid AND ordinal >= $2 \
+             ORDER BY ordinal LIMIT $3",
+        )
+        .bind(session_id.to_string())
+        .bind(to_i64(from)?)
+        .bind(i64::try_from(max).map_err(|_| integrity("row count"))?)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?
+        .iter()
+        .map(|r| {
+            let get = |e: sqlx::Error| db_error(e);
+            let v: &str = r.try_get(4).map_err(get)?;
+            Ok(StagedRow {
+                ordinal: to_u64(r.try_get(0).map_err(get)?)?,
+                table_id: r.try_get(1).map_err(get)?,
+                identity: RowIdentity::from_bytes(r.try_get(2).map_err(get)?),
+                row: r.try_get(3).map_err(get)?,
+                version: version(v)?,
+                digest: digest(r.try_get(5).map_err(get)?)?,
+            })
+        })
+        .collect()
+    }
+
+    pub(crate) async fn read_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT body FROM synchro.rebuild_pages WHERE session_id = $1::uuid AND ordinal = $2",
+        )
+        .bind(session_id.to_string())
+        .bind(to_i64(ordinal)?)
+        .fetch_optional(&mut *self.tx)
+        .await
+        .map_err(db_error)
+    }
+
+    pub(crate) async fn write_rebuild_page(
+        &mut self,
+        session_id: &CanonicalUuid,
+        ordinal: u64,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO synchro.rebuild_pages (session_id, ordinal, body) \
+             VALUES ($1::uuid, $2, $3) ON CONFLICT DO NOTHING",
+        )
+        .bind(session_id.to_string())
+        .bind(to_i64(ordinal)?)
+        .bind(body)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        inserted_once(done, "a rebuild page stored twice")
+    }
+}
