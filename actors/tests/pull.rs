@@ -15,3 +15,16 @@ async fn pull_pages_cursors_and_checksums() {
 async fn pull_state_conformance() {
     actors::testkit::pull_store_suite(&actors::store::MemStore::new()).await;
 }
+
+#[tokio::test]
+async fn rebuild_sessions_and_pages() {
+    actors::testkit::rebuild_suite(&MemWorld {
+        store: example_mem_store(11).await,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn rebuild_state_conformance() {
+    actors::testkit::rebuild_store_suite(&actors::store::MemStore::new()).await;
+}

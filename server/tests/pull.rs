@@ -1,4 +1,4 @@
-//! The whole pull suite over real HTTP on a throwaway PostgreSQL cluster:
+//! The whole pull and rebuild suites over real HTTP on a throwaway PostgreSQL cluster:
 //! every engine the suite starts gets its own server (adapter, HS256 auth)
 //! on loopback, and every client request goes through it.
 #![cfg(not(madsim))]
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actors::Engine;
 use actors::config::AuthConfig;
 use actors::reply::Reply;
-use actors::testkit::{Route, Serve, Transport, pull_suite_via};
+use actors::testkit::{Route, Serve, Transport, pull_suite_via, rebuild_suite_via};
 use server::adapter::{AppState, router};
 use server::auth::{Authenticator, dev_token, hs256_secret};
 use store_pg::cluster::PgCluster;
@@ -56,6 +56,14 @@ fn http(engine: &Engine, auth: Arc<Authenticator>, secret: Arc<Vec<u8>>) -> Tran
     })
 }
 
+/// Every engine a suite starts, served over HTTP with one HS256 secret.
+fn serve(secrets: &std::path::Path) -> Serve {
+    let secret_file = secrets.join("hs256.secret").display().to_string();
+    let secret = Arc::new(hs256_secret(std::path::Path::new(&secret_file)).unwrap());
+    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+    Arc::new(move |engine: &Engine| http(engine, auth.clone(), secret.clone()))
+}
+
 #[tokio::test]
 async fn every_pull_rule_over_http() {
     let cluster = PgCluster::temp().unwrap();
@@ -63,9 +71,15 @@ async fn every_pull_rule_over_http() {
         store: example_store(&cluster, "pull_http").await,
     };
     let secrets = tempfile::tempdir().unwrap();
-    let secret_file = secrets.path().join("hs256.secret").display().to_string();
-    let secret = Arc::new(hs256_secret(std::path::Path::new(&secret_file)).unwrap());
-    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
-    let serve: Serve = Arc::new(move |engine: &Engine| http(engine, auth.clone(), secret.clone()));
-    pull_suite_via(&world, serve).await;
+    pull_suite_via(&world, serve(secrets.path())).await;
+}
+
+#[tokio::test]
+async fn every_rebuild_rule_over_http() {
+    let cluster = PgCluster::temp().unwrap();
+    let world = PgWorld {
+        store: example_store(&cluster, "rebuild_http").await,
+    };
+    let secrets = tempfile::tempdir().unwrap();
+    rebuild_suite_via(&world, serve(secrets.path())).await;
 }

@@ -178,3 +178,19 @@ async fn pull_state(
         .unwrap();
     (candidates, tx.scope_members(scope).await.unwrap())
 }
+
+#[tokio::test]
+async fn rebuild_on_postgres() {
+    let cluster = PgCluster::temp().unwrap();
+    let world = PgWorld {
+        store: example_store(&cluster, "rebuild").await,
+    };
+    actors::testkit::rebuild_suite(&world).await;
+}
+
+#[tokio::test]
+async fn rebuild_state_conformance() {
+    let cluster = PgCluster::temp().unwrap();
+    actors::testkit::rebuild_store_suite(&example_store(&cluster, "rebuild_conformance").await)
+        .await;
+}

@@ -12,6 +12,7 @@ use crate::config::SyncConfig;
 mod capture;
 mod pull;
 mod push;
+mod rebuild;
 mod transport;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
@@ -25,6 +26,7 @@ pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
     note_mutation, outcome, push_config, push_store_suite, push_suite, version_of,
 };
+pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
 pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).
