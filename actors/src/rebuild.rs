@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use protocol::digest::row_digest;
+use protocol::digest::{RowIdentity, ScopeDigest, row_digest};
 use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
 use protocol::ids::CanonicalUuid;
 use protocol::json::{self, Canonical};
@@ -23,11 +23,17 @@ use tokio::sync::Semaphore;
 
 use crate::attempt::{self, Failure};
 use crate::cursor::{self, ContinuationRequest, Continued, CursorContext};
-use crate::pull::checksum::{digest_of, reproject};
+use crate::pull::checksum::reproject;
 use crate::registry::Registry;
 use crate::reply::Reply;
 use crate::staging::{RebuildSession, SESSION_LIFETIME_MICROS, StagedRow};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+
+/// Staged digests read back at once while sealing a session.
+const DIGEST_CHUNK: usize = 10_000;
+
+/// Expired sessions whose stages one rebuild request deletes, at most.
+const SWEEP_PER_REQUEST: usize = 4;
 
 /// The rebuild actor: the registry (schema, assignment, membership
 /// generations, keys) and the page admission it shares with pull.
@@ -58,9 +64,29 @@ impl<S: Store> Rebuilder<S> {
         }
     }
 
-    /// `/sync/rebuild` for the authenticated `user_id`, at server time `now_micros`.
+    /// `/sync/rebuild` for the authenticated `user_id`, at server time
+    /// `now_micros`; then a bounded sweep of expired stages.
     pub async fn rebuild(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        attempt::retried(|| self.rebuild_once(user_id, body, now_micros)).await
+        let reply = attempt::retried(|| self.rebuild_once(user_id, body, now_micros)).await;
+        self.sweep(now_micros).await;
+        reply
+    }
+
+    /// Deletes the stages of a few expired sessions, in its own
+    /// transaction: every rebuild request takes a bounded share of the
+    /// work, on the server's clock as the request carries it. A failure
+    /// leaves them to the next request.
+    async fn sweep(&self, now_micros: i64) {
+        let Ok(mut tx) = self.store.begin().await else {
+            return;
+        };
+        if let Ok(n) = tx
+            .sweep_rebuild_sessions(now_micros, SWEEP_PER_REQUEST)
+            .await
+            && n > 0
+        {
+            let _ = tx.commit().await;
+        }
     }
 
     /// One attempt in one snapshot transaction; nothing is written unless it commits.
@@ -224,13 +250,32 @@ impl<S: Store> Rebuilder<S> {
             }
         }
         let rows = tx.stage_rebuild(&session, &digests).await?;
-        let staged = tx.staged_digests(&session.session_id).await?;
-        assert_eq!(staged.len() as u64, rows, "the stage holds what was staged");
-        assert!(
-            staged.windows(2).all(|w| w[0].0 < w[1].0),
-            "the stage is in strictly increasing row-identity order"
-        );
-        let digest = digest_of(current, &session.scope, &staged)?;
+        // The digest of what was staged, read back in bounded chunks so
+        // that a scope of any size stays out of the server's memory.
+        let mut d = ScopeDigest::new(&current.hash(), session.scope.as_str(), rows);
+        let mut read = 0u64;
+        let mut last: Option<RowIdentity> = None;
+        loop {
+            let chunk = tx
+                .staged_digests(&session.session_id, read, DIGEST_CHUNK)
+                .await?;
+            for (identity, digest) in &chunk {
+                assert!(
+                    last.as_ref().is_none_or(|l| l < identity),
+                    "the stage is in strictly increasing row-identity order"
+                );
+                d.push(identity, digest);
+                last = Some(identity.clone());
+            }
+            read += chunk.len() as u64;
+            if chunk.len() < DIGEST_CHUNK {
+                break;
+            }
+        }
+        assert_eq!(read, rows, "the stage holds what was staged");
+        let digest = d
+            .finish()
+            .map_err(|e| StoreError::Integrity(format!("scope digest: {e:?}")))?;
         tx.seal_rebuild_session(&session.session_id, &digest)
             .await?;
         session.digest = Some(digest);

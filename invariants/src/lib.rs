@@ -13,6 +13,7 @@
 pub mod capture;
 pub mod pull;
 pub mod push;
+pub mod rebuild;
 
 use std::collections::{BTreeMap, BTreeSet};
 

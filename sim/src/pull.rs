@@ -23,9 +23,10 @@ use actors::capture::{EffectOp, SourceImage};
 use actors::store::{MemStore, Store, StoreTx};
 use actors::testkit::{
     ConnectBody, cursor_bindings, cursor_position, mint_cursor, note_columns, note_mutation,
-    origin_cursor, push_config,
+    push_config,
 };
-use invariants::pull::{EffectView, Replica};
+use invariants::pull::{EffectView, RebuildStep, Rebuilding, Replica};
+use invariants::rebuild::PageLog;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -40,6 +41,7 @@ use crate::now_micros;
 const CONNECT: u8 = 0;
 const PUSH: u8 = 1;
 const PULL: u8 = 2;
+const REBUILD: u8 = 3;
 /// Notes the application writes (shared by every user: they move between owners).
 const POOL: usize = 10;
 const TEAMS: usize = 2;
@@ -51,6 +53,8 @@ pub enum Mutant {
     DropChange,
     /// One cursor is issued one effect past where it may stand.
     CursorTooFar,
+    /// One rebuild page loses one of its records.
+    DropRecord,
 }
 
 /// Knobs of one pull run.
@@ -88,6 +92,11 @@ pub struct PullTrace {
     pub capture_pending: usize,
     pub unavailable: usize,
     pub crashes: usize,
+    pub rebuild_pages: usize,
+    /// Rebuild attempts that had to start over (409 `rebuild_restart_required`).
+    pub restarts: usize,
+    /// Rebuild pages requested again and compared.
+    pub replays: usize,
     /// Whether the planted mutant fired.
     pub mutated: bool,
     /// Every checkpoint read, per (client, scope), in order.
@@ -104,6 +113,7 @@ async fn server_main() {
         match body.split_first() {
             Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
             Some((&PUSH, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
+            Some((&REBUILD, body)) => engine.rebuild(&user, body.to_vec(), now_micros()).await,
             Some((_, body)) => engine.pull(&user, body.to_vec(), now_micros()).await,
             None => engine.pull(&user, Vec::new(), now_micros()).await,
         }
@@ -132,6 +142,11 @@ pub struct Client {
     replica: Replica,
     link: Link,
     mutant: Option<Mutant>,
+    /// This client's index, for its rebuild attempts' IDs.
+    index: usize,
+    attempts: u64,
+    schema: Value,
+    rebuilt: PageLog,
 }
 
 impl Client {
@@ -139,22 +154,146 @@ impl Client {
         trace.lock().expect("trace").violations.push(v);
     }
 
-    /// Installs the rebuild stand-in on every scope that needs a rebuild.
-    async fn rebuild(&mut self, store: &MemStore) {
-        for (scope, local) in &mut self.replica.scopes {
-            if local.cursor.is_none() {
-                local.rows.clear();
-                local.cursor = Some(
-                    origin_cursor(store, &self.user, &self.client_id, self.generation, scope).await,
-                );
+    /// Rebuilds every scope that needs it through `/sync/rebuild`.
+    async fn rebuild(&mut self, trace: &Mutex<PullTrace>) {
+        let stale: Vec<String> = self
+            .replica
+            .scopes
+            .iter()
+            .filter(|(_, l)| l.cursor.is_none())
+            .map(|(s, _)| s.clone())
+            .collect();
+        for scope in stale {
+            self.rebuild_scope(&scope, trace).await;
+        }
+    }
+
+    /// Rebuilds `scope` in a new attempt at a random limit, starting over
+    /// after a 409 or a checksum that does not verify; each page is
+    /// retried with the identical request until answered, and now and then
+    /// requested again, which must give the same bytes.
+    async fn rebuild_scope(&mut self, scope: &str, trace: &Mutex<PullTrace>) {
+        for _ in 0..8 {
+            self.attempts += 1;
+            let id = format!(
+                "00000000-0000-4000-9000-{:06x}{:06x}",
+                self.index, self.attempts
+            );
+            let mut attempt = Rebuilding::new(scope, &id);
+            let limit = thread_rng().gen_range(1..=4);
+            // A planted bug that fired in an attempt that then restarted
+            // did no harm yet: it is armed again.
+            let mut dropped = false;
+            loop {
+                let body = self.rebuild_body(&attempt, limit);
+                let (status, mut page) =
+                    call(&mut self.link, &self.user, REBUILD, &body, trace).await;
+                match status {
+                    200 => {}
+                    409 => {
+                        trace.lock().expect("trace").restarts += 1;
+                        if dropped {
+                            self.mutant = Some(Mutant::DropRecord);
+                        }
+                        break;
+                    }
+                    503 | 429 => {
+                        sleep(Duration::from_millis(thread_rng().gen_range(4_000..6_000))).await;
+                        continue;
+                    }
+                    // The scope was revoked since the client last pulled:
+                    // the next pull reconciles it away. Only a grant can be
+                    // revoked; the user's own and shared scopes never are.
+                    400 if scope.starts_with("team:")
+                        && attempt.continuation.is_none()
+                        && page.windows(14).any(|w| w == b"is not assigne") =>
+                    {
+                        return;
+                    }
+                    s => {
+                        self.note(
+                            trace,
+                            format!(
+                                "{}: rebuild answered {s}: {}",
+                                self.client_id,
+                                String::from_utf8_lossy(&page)
+                            ),
+                        );
+                        return;
+                    }
+                }
+                if let Err(v) = self.rebuilt.record(&body, &page) {
+                    self.note(trace, format!("{}: {v}", self.client_id));
+                }
+                if thread_rng().gen_bool(0.25) {
+                    let (again, replayed) =
+                        call(&mut self.link, &self.user, REBUILD, &body, trace).await;
+                    if again == 200 {
+                        trace.lock().expect("trace").replays += 1;
+                        if let Err(v) = self.rebuilt.record(&body, &replayed) {
+                            self.note(trace, format!("{}: {v}", self.client_id));
+                        }
+                    }
+                }
+                if self.mutant == Some(Mutant::DropRecord)
+                    && let Some(lost) = drop_record(&page)
+                {
+                    page = lost;
+                    dropped = true;
+                    self.mutant = None;
+                    trace.lock().expect("trace").mutated = true;
+                }
+                trace.lock().expect("trace").rebuild_pages += 1;
+                match self.replica.apply_rebuild(&mut attempt, &page) {
+                    Ok(RebuildStep::More(_)) => {}
+                    Ok(RebuildStep::Done) => return,
+                    Ok(RebuildStep::Mismatch) => {
+                        self.note(
+                            trace,
+                            format!(
+                                "{}: the rebuilt checksum of {scope} does not verify",
+                                self.client_id
+                            ),
+                        );
+                        break;
+                    }
+                    Err(e) => {
+                        self.note(
+                            trace,
+                            format!("{}: a rebuild page no server may send: {e}", self.client_id),
+                        );
+                        return;
+                    }
+                }
             }
         }
+        self.note(
+            trace,
+            format!("{}: {scope} could not be rebuilt", self.client_id),
+        );
+    }
+
+    /// The request of `attempt`'s next page.
+    fn rebuild_body(&self, attempt: &Rebuilding, limit: u16) -> Vec<u8> {
+        let cursor = attempt
+            .continuation
+            .clone()
+            .map_or(Value::Null, Value::string);
+        json::to_canonical(&json::object([
+            ("client_id", Value::string(self.client_id.clone())),
+            ("client_generation", Value::int(self.generation as i64)),
+            ("schema", self.schema.clone()),
+            ("scope", Value::string(attempt.scope.clone())),
+            ("rebuild_id", Value::string(attempt.rebuild_id.clone())),
+            ("cursor", cursor),
+            ("limit", Value::int(i64::from(limit))),
+        ]))
     }
 
     /// One pull, retried until a page comes; the page applied and judged.
     /// `Some(terminal)` when a page was applied.
     async fn pull(&mut self, store: &MemStore, trace: &Mutex<PullTrace>) -> Option<bool> {
-        self.rebuild(store).await;
+        self.rebuild(trace).await;
         let limit = thread_rng().gen_range(1..=6);
         let body = self
             .replica
@@ -187,7 +326,7 @@ impl Client {
             // As Retry-After says (the adapter sends 5 seconds), with jitter.
             sleep(Duration::from_millis(thread_rng().gen_range(4_000..6_000))).await;
         };
-        if let Some(m) = self.mutant
+        if let Some(m) = self.mutant.filter(|m| *m != Mutant::DropRecord)
             && let Some(mutated) = mutate(m, &page, self, store).await
         {
             page = mutated;
@@ -293,6 +432,7 @@ async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<
         _ => return None,
     };
     match m {
+        Mutant::DropRecord => return None,
         Mutant::DropChange => {
             let Some(Value::Array(changes)) = o.get_mut("changes") else {
                 return None;
@@ -350,6 +490,22 @@ async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<
     Some(json::to_canonical(&v))
 }
 
+/// The rebuild page with its first record lost, if it has one.
+fn drop_record(page: &[u8]) -> Option<Vec<u8>> {
+    let mut v = json::parse(page).ok()?;
+    let Value::Object(o) = &mut v else {
+        return None;
+    };
+    let Some(Value::Array(records)) = o.get_mut("records") else {
+        return None;
+    };
+    if records.is_empty() {
+        return None;
+    }
+    records.remove(0);
+    Some(json::to_canonical(&v))
+}
+
 /// A client: connect, then pulls (and now and then a push) with pauses.
 async fn client_main(
     index: usize,
@@ -392,10 +548,35 @@ async fn client_main(
         replica,
         link,
         mutant,
+        index,
+        attempts: 0,
+        schema: schema.clone(),
+        rebuilt: PageLog::default(),
     };
     for p in 0..pulls {
-        if thread_rng().gen_bool(0.1) {
+        // (The record-losing bug's client writes a row of its own first.)
+        let seeded = c.mutant == Some(Mutant::DropRecord) && p == pulls / 2 - 1;
+        if seeded || thread_rng().gen_bool(0.1) {
             push_one(&mut c, &schema, index, p, &trace).await;
+        }
+        // Now and then a scope's local state is lost (as after a checksum
+        // mismatch, or a wiped cache): it is rebuilt before the next pull.
+        // (The planted record-losing bug needs a rebuild with records:
+        // its client loses its own scope in the run's second half.)
+        if c.mutant == Some(Mutant::DropRecord) && p >= pulls / 2 {
+            for l in c.replica.scopes.values_mut() {
+                if !l.rows.is_empty() {
+                    l.cursor = None;
+                }
+            }
+        } else if p > 0 && thread_rng().gen_bool(0.15) {
+            let scopes: Vec<String> = c.replica.scopes.keys().cloned().collect();
+            if !scopes.is_empty() {
+                let lost = &scopes[thread_rng().gen_range(0..scopes.len())];
+                if let Some(l) = c.replica.scopes.get_mut(lost) {
+                    l.cursor = None;
+                }
+            }
         }
         c.pull(&store, &trace).await;
         sleep(Duration::from_millis(thread_rng().gen_range(10..200))).await;

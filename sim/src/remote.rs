@@ -75,11 +75,12 @@ enum Op {
     LastEffectBefore(ScopeId, StreamPosition),
     RebuildSession(String, CanonicalUuid),
     StageRebuild(Box<RebuildSession>, Vec<(RowIdentity, Digest)>),
-    StagedDigests(CanonicalUuid),
+    StagedDigests(CanonicalUuid, u64, usize),
     SealRebuildSession(CanonicalUuid, Digest),
     StagedRows(CanonicalUuid, u64, usize),
     RebuildPage(CanonicalUuid, u64),
     PutRebuildPage(CanonicalUuid, u64, Vec<u8>),
+    SweepRebuildSessions(i64, usize),
     PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
     RecordPush(Box<PushRecord>),
     BeginWrites(Writer),
@@ -438,7 +439,10 @@ async fn transaction(
             Op::StageRebuild(session, d) => {
                 (Answer::Count(tx.stage_rebuild(&session, &d).await), false)
             }
-            Op::StagedDigests(id) => (Answer::Members(tx.staged_digests(&id).await), false),
+            Op::StagedDigests(id, from, max) => (
+                Answer::Members(tx.staged_digests(&id, from, max).await),
+                false,
+            ),
             Op::SealRebuildSession(id, d) => {
                 (Answer::Unit(tx.seal_rebuild_session(&id, &d).await), false)
             }
@@ -449,6 +453,10 @@ async fn transaction(
             Op::PutRebuildPage(id, o, b) => {
                 (Answer::Unit(tx.put_rebuild_page(&id, o, &b).await), false)
             }
+            Op::SweepRebuildSessions(now, max) => (
+                Answer::Count(tx.sweep_rebuild_sessions(now, max).await),
+                false,
+            ),
             Op::PushLedger(u, c, b, ids) => {
                 (Answer::Ledger(tx.push_ledger(&u, &c, b, &ids).await), false)
             }
@@ -1058,8 +1066,10 @@ impl StoreTx for RemoteTx {
     async fn staged_digests(
         &mut self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
-        match self.call(Op::StagedDigests(*session_id)).await? {
+        match self.call(Op::StagedDigests(*session_id, from, max)).await? {
             Answer::Members(r) => r,
             _ => Err(mismatch()),
         }
@@ -1098,6 +1108,17 @@ impl StoreTx for RemoteTx {
     ) -> Result<Option<Vec<u8>>, StoreError> {
         match self.call(Op::RebuildPage(*session_id, ordinal)).await? {
             Answer::Page(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn sweep_rebuild_sessions(
+        &mut self,
+        now_micros: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        match self.call(Op::SweepRebuildSessions(now_micros, max)).await? {
+            Answer::Count(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -1,4 +1,4 @@
-//! Pull under faults: lossy links, server crashes, application writes that
+//! Pull and rebuild under faults: lossy links, server crashes, application writes that
 //! move and share rows, scope grants and revocations; and the planted bugs
 //! the invariants must catch. Run with:
 //! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim MADSIM_TEST_SEED=1 MADSIM_TEST_NUM=32 cargo test -p sim --test pull`
@@ -28,9 +28,12 @@ async fn pull_under_faults() {
         trace.violations[0]
     );
     eprintln!(
-        "pages {} changes {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
+        "pages {} changes {} rebuild pages {} restarts {} replays {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
         trace.pages,
         trace.changes,
+        trace.rebuild_pages,
+        trace.restarts,
+        trace.replays,
         trace.retries,
         trace.capture_pending,
         trace.unavailable,
@@ -39,13 +42,17 @@ async fn pull_under_faults() {
     );
     assert!(trace.crashes >= 1, "the server crashed\n{reproduce}");
     assert!(trace.changes > 0, "changes were pulled\n{reproduce}");
+    assert!(trace.rebuild_pages > 0, "scopes were rebuilt\n{reproduce}");
 }
 
 /// A planted bug must fail the run (each in its own simulated world).
 async fn caught(mutant: Mutant, test: &str) {
     let reproduce = reproduce(test);
+    // More pulls than the plain run, so that each bug finds a page it can
+    // break in every seed.
     let scenario = PullScenario {
         mutant: Some(mutant),
+        pulls_per_client: 24,
         ..PullScenario::default()
     };
     let trace = match run_pull(scenario).await {
@@ -69,6 +76,15 @@ async fn a_cursor_one_effect_too_far_is_caught() {
     caught(
         Mutant::CursorTooFar,
         "a_cursor_one_effect_too_far_is_caught",
+    )
+    .await;
+}
+
+#[madsim::test]
+async fn a_rebuild_page_that_loses_a_record_is_caught() {
+    caught(
+        Mutant::DropRecord,
+        "a_rebuild_page_that_loses_a_record_is_caught",
     )
     .await;
 }

@@ -17,9 +17,12 @@ CREATE TABLE synchro.rebuild_sessions (
     page_limit            smallint NOT NULL CHECK (page_limit BETWEEN 1 AND 1000),
     expires_at            bigint NOT NULL,  -- microseconds since the epoch
     digest                bytea CHECK (length(digest) = 32),  -- NULL until sealed
+    -- Expired, and its stage and pages deleted; the row stays so that its
+    -- rebuild_id is still answered with 409.
+    swept                 boolean NOT NULL DEFAULT false,
     UNIQUE (client_id, rebuild_id)
 );
-CREATE INDEX rebuild_sessions_expiry ON synchro.rebuild_sessions (expires_at);
+CREATE INDEX rebuild_sessions_expiry ON synchro.rebuild_sessions (expires_at) WHERE NOT swept;
 
 CREATE TABLE synchro.rebuild_stage (
     session_id uuid NOT NULL REFERENCES synchro.rebuild_sessions ON DELETE CASCADE,

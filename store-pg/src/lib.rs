@@ -458,8 +458,10 @@ impl StoreTx for PgTx {
     async fn staged_digests(
         &mut self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
-        self.read_staged_digests(session_id).await
+        self.read_staged_digests(session_id, from, max).await
     }
 
     async fn seal_rebuild_session(
@@ -485,6 +487,14 @@ impl StoreTx for PgTx {
         ordinal: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         self.read_rebuild_page(session_id, ordinal).await
+    }
+
+    async fn sweep_rebuild_sessions(
+        &mut self,
+        now_micros: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        self.write_sweep(now_micros, max).await
     }
 
     async fn put_rebuild_page(

@@ -172,12 +172,16 @@ impl PgTx {
     pub(crate) async fn read_staged_digests(
         &mut self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
         sqlx::query(
             "SELECT identity, digest FROM synchro.rebuild_stage \
-             WHERE session_id = $1::uuid ORDER BY ordinal",
+             WHERE session_id = $1::uuid AND ordinal >= $2 ORDER BY ordinal LIMIT $3",
         )
         .bind(session_id.to_string())
+        .bind(to_i64(from)?)
+        .bind(i64::try_from(max).map_err(|_| integrity("row count"))?)
         .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?
@@ -274,5 +278,33 @@ impl PgTx {
         .await
         .map_err(db_error)?;
         inserted_once(done, "a rebuild page stored twice")
+    }
+
+    pub(crate) async fn write_sweep(
+        &mut self,
+        now_micros: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        // SKIP LOCKED, so that two sweepers never wait on each other.
+        let swept: Vec<String> = sqlx::query_scalar(
+            "UPDATE synchro.rebuild_sessions SET swept = true WHERE session_id IN \
+             (SELECT session_id FROM synchro.rebuild_sessions WHERE NOT swept AND expires_at <= $1 \
+              ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING session_id::text",
+        )
+        .bind(now_micros)
+        .bind(i64::try_from(max).map_err(|_| integrity("sweep size"))?)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        for table in ["rebuild_stage", "rebuild_pages"] {
+            sqlx::query(&format!(
+                "DELETE FROM synchro.{table} WHERE session_id = ANY($1::uuid[])"
+            ))
+            .bind(&swept)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        }
+        Ok(swept.len() as u64)
     }
 }

@@ -315,10 +315,13 @@ pub trait StoreTx: Send {
         digests: &[(RowIdentity, Digest)],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// Every staged row's identity and digest, in stage order.
+    /// The identity and digest of the staged rows from ordinal `from`, at
+    /// most `max` of them, in stage order.
     fn staged_digests(
         &mut self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> impl Future<Output = Result<Vec<(RowIdentity, Digest)>, StoreError>> + Send;
 
     /// Records the staged scope's digest: the session is complete.
@@ -352,6 +355,16 @@ pub trait StoreTx: Send {
         ordinal: u64,
         body: &[u8],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes the stages and pages of at most `max` sessions that expired
+    /// at or before `now_micros` and still hold them; how many it swept.
+    /// The session rows stay, so that their `rebuild_id` is still answered
+    /// with 409.
+    fn sweep_rebuild_sessions(
+        &mut self,
+        now_micros: i64,
+        max: usize,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// The effects of a scope after `after` and through `through`, in position order.
     fn scope_effects(

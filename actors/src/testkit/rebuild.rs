@@ -123,7 +123,12 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             (i.clone(), d)
         })
         .collect();
-    assert_eq!(tx.staged_digests(&a.session_id).await.unwrap(), want);
+    assert_eq!(tx.staged_digests(&a.session_id, 0, 10).await.unwrap(), want);
+    assert_eq!(
+        tx.staged_digests(&a.session_id, 1, 1).await.unwrap(),
+        want[1..2],
+        "from an ordinal, at most max"
+    );
     let rows = tx.staged_rows(&a.session_id, 1, 5).await.unwrap();
     assert_eq!(rows.len(), 2, "from an ordinal, at most max");
     assert_eq!(
@@ -188,7 +193,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     let empty = session(11, 2, &ScopeId::parse("nobody").unwrap());
     assert_eq!(tx.stage_rebuild(&empty, &[]).await.unwrap(), 0);
     assert!(
-        tx.staged_digests(&empty.session_id)
+        tx.staged_digests(&empty.session_id, 0, 10)
             .await
             .unwrap()
             .is_empty()
@@ -205,7 +210,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     let all = tx.staged_rows(&a.session_id, 0, 10).await.unwrap();
     assert_eq!(all.len(), 3, "the stage is as it was staged");
     assert_eq!(
-        tx.staged_digests(&a.session_id).await.unwrap(),
+        tx.staged_digests(&a.session_id, 0, 10).await.unwrap(),
         order
             .iter()
             .map(|i| (
@@ -238,6 +243,40 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             .await
             .unwrap()
             .is_empty()
+    );
+    tx.put_rebuild_page(&b.session_id, 0, b"b's first")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // The sweep: only what expired, at most `max` at a time, and the
+    // session rows stay.
+    let expiry = NOW + SESSION_LIFETIME_MICROS;
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.sweep_rebuild_sessions(expiry - 1, 10).await.unwrap(), 0);
+    assert_eq!(tx.sweep_rebuild_sessions(expiry, 1).await.unwrap(), 1);
+    assert_eq!(tx.sweep_rebuild_sessions(expiry, 10).await.unwrap(), 1);
+    assert_eq!(tx.sweep_rebuild_sessions(expiry, 10).await.unwrap(), 0);
+    assert!(
+        tx.staged_rows(&b.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        tx.staged_digests(&b.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(tx.rebuild_page(&b.session_id, 0).await.unwrap(), None);
+    assert_eq!(
+        tx.rebuild_session("c1", &uuid(1))
+            .await
+            .unwrap()
+            .map(|s| s.session_id),
+        Some(b.session_id),
+        "a swept session still answers for its rebuild_id"
     );
     tx.commit().await.unwrap();
 }
@@ -609,6 +648,21 @@ async fn stale_sessions<W: CaptureWorld>(world: &W, node: &Node) {
         )
         .await;
     restart(&first_again, scope);
+    // Those requests swept the expired stage; its session still answers 409.
+    let mut tx = store.begin().await.unwrap();
+    let expired = tx
+        .rebuild_session("st-c", &CanonicalUuid::parse(&a.rebuild_id).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        tx.staged_rows(&expired.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the expired stage was swept"
+    );
+    drop(tx);
     // A push by the same client: its accepted-write epoch moved on.
     let (mut a, first) = start(&mut c, node, scope).await;
     c.replica.apply_rebuild(&mut a, &first).unwrap();

@@ -542,8 +542,10 @@ impl StoreTx for MemTx {
     async fn staged_digests(
         &mut self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
-        MemTx::staged_digests(self, session_id)
+        MemTx::staged_digests(self, session_id, from, max)
     }
 
     async fn seal_rebuild_session(
@@ -569,6 +571,14 @@ impl StoreTx for MemTx {
         ordinal: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         Ok(MemTx::rebuild_page(self, session_id, ordinal))
+    }
+
+    async fn sweep_rebuild_sessions(
+        &mut self,
+        now_micros: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        Ok(MemTx::sweep_rebuild_sessions(self, now_micros, max))
     }
 
     async fn put_rebuild_page(

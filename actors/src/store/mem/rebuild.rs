@@ -17,6 +17,8 @@ struct Held {
     /// Immutable once staged; shared by every transaction's copy of the state.
     stage: Arc<Vec<StagedRow>>,
     pages: BTreeMap<u64, Vec<u8>>,
+    /// Expired, and its stage and pages deleted.
+    swept: bool,
 }
 
 /// Every rebuild session, by session ID.
@@ -82,6 +84,7 @@ impl MemTx {
                 session: session.clone(),
                 stage: Arc::new(stage),
                 pages: BTreeMap::new(),
+                swept: false,
             },
         );
         Ok(rows)
@@ -90,6 +93,8 @@ impl MemTx {
     pub(super) fn staged_digests(
         &self,
         session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
         let h = self
             .work
@@ -97,8 +102,11 @@ impl MemTx {
             .sessions
             .get(session_id)
             .ok_or_else(missing)?;
+        let from = usize::try_from(from).unwrap_or(usize::MAX);
         Ok(h.stage
             .iter()
+            .skip(from)
+            .take(max)
             .map(|r| (r.identity.clone(), r.digest))
             .collect())
     }
@@ -155,5 +163,21 @@ impl MemTx {
             return Err(StoreError::Integrity("a rebuild page stored twice".into()));
         }
         Ok(())
+    }
+
+    pub(super) fn sweep_rebuild_sessions(&mut self, now_micros: i64, max: usize) -> u64 {
+        let mut swept = 0;
+        for h in self.work.rebuilds.sessions.values_mut() {
+            if swept == max {
+                break;
+            }
+            if h.session.expires_at <= now_micros && !h.swept {
+                h.stage = Arc::new(Vec::new());
+                h.pages.clear();
+                h.swept = true;
+                swept += 1;
+            }
+        }
+        swept as u64
     }
 }
