@@ -4,10 +4,13 @@
 //! generation and schema gates).
 
 use std::future::Future;
+use std::sync::Arc;
 
-use protocol::error::{ErrorKind, ProtocolError};
+use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
 use protocol::manifest::{Manifest, SchemaRef};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::capture::CaptureProgress;
 use crate::registry::store_error;
 use crate::reply::Reply;
 use crate::store::{ClientRecord, StoreError, StoreTx};
@@ -71,6 +74,34 @@ pub async fn bind<T: StoreTx>(
         Some(c) if c.user_id == user_id => Ok(Some(c)),
         _ => Err(ProtocolError::new(ErrorKind::AuthRequired).into()),
     }
+}
+
+/// Step 8: a page permit of `admission`, or 429 `retry_later`.
+pub fn admit(admission: &Arc<Semaphore>) -> Result<OwnedSemaphorePermit, ProtocolError> {
+    admission
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ProtocolError::new(ErrorKind::RetryLater))
+}
+
+/// Step 9's gates: capture must be running (`capture_blocked` otherwise)
+/// and must have materialized every write accepted from `client_id`
+/// (`capture_pending` otherwise).
+pub async fn capture_gates<T: StoreTx>(
+    tx: &mut T,
+    progress: &CaptureProgress,
+    client_id: &str,
+) -> Result<(), Failure> {
+    if progress.quarantine.is_some() {
+        return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
+            reason: Some(UnavailableReason::CaptureBlocked),
+        })
+        .into());
+    }
+    if tx.has_pending_fence(client_id).await? {
+        return Err(ProtocolError::new(ErrorKind::CapturePending).into());
+    }
+    Ok(())
 }
 
 /// Steps 4 and 6: retirement, the exact current generation, then the

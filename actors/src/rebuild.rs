@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
-use protocol::digest::{RowIdentity, ScopeDigest, row_digest};
-use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
+use protocol::digest::{RowIdentity, ScopeDigest};
+use protocol::error::{ErrorKind, ProtocolError};
 use protocol::ids::CanonicalUuid;
 use protocol::json::{self, Canonical};
 use protocol::manifest::Manifest;
@@ -135,19 +135,9 @@ impl<S: Store> Rebuilder<S> {
                 .contains(&req.scope);
         let asked = self.judge(&ctx, &req, &client, membership_generation, assigned)?;
         // 8. Admission control.
-        let Ok(_permit) = self.admission.clone().try_acquire_owned() else {
-            return Err(ProtocolError::new(ErrorKind::RetryLater).into());
-        };
+        let _permit = attempt::admit(&self.admission)?;
         // 9. Execute: capture must have materialized what this client wrote.
-        if progress.quarantine.is_some() {
-            return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
-                reason: Some(UnavailableReason::CaptureBlocked),
-            })
-            .into());
-        }
-        if tx.has_pending_fence(&client.client_id).await? {
-            return Err(ProtocolError::new(ErrorKind::CapturePending).into());
-        }
+        attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let (session, ordinal) = match asked {
             Asked::First => {
                 let context = SessionContext {
@@ -439,7 +429,7 @@ fn record(current: &Manifest, r: &StagedRow) -> Result<Record, StoreError> {
             .map_err(|_| bad("does not fit the manifest"))?;
         assert_eq!(
             r.digest,
-            row_digest(&current.hash(), table, &r.identity, &decoded, &r.version),
+            protocol::digest::row_digest(&current.hash(), table, &r.identity, &decoded, &r.version),
             "a staged digest is its row's"
         );
     }

@@ -163,6 +163,38 @@ impl Replica {
         json::to_canonical(&Value::Object(o))
     }
 
+    /// The scopes with no usable incremental state: each needs a rebuild.
+    pub fn needs_rebuild(&self) -> Vec<String> {
+        self.scopes
+            .iter()
+            .filter(|(_, l)| l.cursor.is_none())
+            .map(|(s, _)| s.clone())
+            .collect()
+    }
+
+    /// The request of `attempt`'s next rebuild page at `limit`.
+    pub fn rebuild_request(
+        &self,
+        attempt: &Rebuilding,
+        client_id: &str,
+        generation: u64,
+        limit: u16,
+    ) -> Vec<u8> {
+        let cursor = attempt
+            .continuation
+            .clone()
+            .map_or(Value::Null, Value::string);
+        json::to_canonical(&json::object([
+            ("client_id", Value::string(client_id)),
+            ("client_generation", Value::int(generation as i64)),
+            ("schema", self.manifest.reference().to_json()),
+            ("scope", Value::string(attempt.scope.clone())),
+            ("rebuild_id", Value::string(attempt.rebuild_id.clone())),
+            ("cursor", cursor),
+            ("limit", Value::int(i64::from(limit))),
+        ]))
+    }
+
     /// Checks one 200 pull body completely, then applies it as one local
     /// transition. An `Err` is a page no conforming server sends: nothing
     /// was applied.

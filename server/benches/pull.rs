@@ -269,10 +269,22 @@ async fn main() {
         cluster.dir().display()
     );
 
+    let which = std::env::var("SYNCHRO_BENCH").unwrap_or_default();
+    if which != "rebuild" {
+        pull_bench(&store, addr, &secret).await;
+    }
+    if which != "pull" {
+        rebuild_bench(&store, addr, &secret).await;
+    }
+}
+
+/// Steady, changed and catch-up pulls, and the plain read.
+async fn pull_bench(store: &PgStore, addr: SocketAddr, secret: &[u8]) {
+    let store = store.clone();
     // A 1,000-row scope, pulled to its end.
     let lsn = insert_notes(&store, "steady", 1, SCOPE_ROWS).await;
     settle(&store, lsn).await;
-    let mut c = Client::connect(&store, addr, &secret, "steady").await;
+    let mut c = Client::connect(&store, addr, secret, "steady").await;
     assert_eq!(c.sync(1000).await, SCOPE_ROWS);
     let mut steady = Vec::with_capacity(STEADY_ROUNDS);
     for _ in 0..STEADY_ROUNDS {
@@ -332,7 +344,7 @@ async fn main() {
     .await
     .unwrap();
     let (raw_before, _) = raw_read(&store, "user:catchup").await;
-    let mut c = Client::connect(&store, addr, &secret, "catchup").await;
+    let mut c = Client::connect(&store, addr, secret, "catchup").await;
     let start = Instant::now();
     let mut n = 0;
     let mut round_trips = Duration::ZERO;
@@ -365,4 +377,193 @@ async fn main() {
         round_trips.as_secs_f64() / raw.as_secs_f64()
     );
     let _ = c.user;
+}
+
+/// The rows a rebuild stages and serves (`SYNCHRO_BENCH_REBUILD` overrides it).
+const REBUILD_ROWS: usize = 100_000;
+/// The rows staged while the server's peak memory is measured
+/// (`SYNCHRO_BENCH_STAGE_ROWS` overrides it).
+const STAGE_ROWS: usize = 1_000_000;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The process's resident set now, and its peak since the last reset, in KiB.
+fn rss_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// A connected client's rebuild request of `scope` at limit 1000.
+fn rebuild_body(
+    client_id: &str,
+    schema: &json::Value,
+    scope: &str,
+    rebuild_id: &str,
+    cursor: json::Value,
+) -> Vec<u8> {
+    json::to_canonical(&json::object([
+        ("client_id", json::Value::string(client_id)),
+        ("client_generation", json::Value::int(1)),
+        ("schema", schema.clone()),
+        ("scope", json::Value::string(scope)),
+        ("rebuild_id", json::Value::string(rebuild_id)),
+        ("cursor", cursor),
+        ("limit", json::Value::int(1000)),
+    ]))
+}
+
+/// Inserts `rows` notes of `owner` in batches of 10,000 and waits for capture.
+async fn insert_many(store: &PgStore, owner: &str, from: usize, rows: usize) {
+    let mut lsn = 0;
+    for batch in 0..rows.div_ceil(10_000) {
+        let n = (rows - batch * 10_000).min(10_000);
+        lsn = insert_notes(store, owner, from + batch * 10_000, n).await;
+    }
+    settle(store, lsn).await;
+    sqlx::raw_sql(
+        "VACUUM ANALYZE synchro.scope_effects, synchro.projections, synchro.scope_members",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+}
+
+/// The plain `INSERT ... SELECT` of a scope's staged columns into a table
+/// like the stage, rolled back.
+async fn plain_stage(store: &PgStore, scope: &str) -> Duration {
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query(
+        "CREATE TEMP TABLE plain_stage (LIKE synchro.rebuild_stage INCLUDING ALL) ON COMMIT DROP",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let start = Instant::now();
+    sqlx::query(
+        "INSERT INTO plain_stage (session_id, ordinal, table_id, identity, row_json, version, digest) \
+         SELECT gen_random_uuid(), row_number() OVER (ORDER BY m.identity) - 1, p.table_id, \
+         p.identity, p.row_json, p.version, p.digest \
+         FROM synchro.scope_members m \
+         JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
+         WHERE m.scope_id = $1",
+    )
+    .bind(scope)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let took = start.elapsed();
+    tx.rollback().await.unwrap();
+    took
+}
+
+/// Staging and serving a scope over HTTP, against a plain `INSERT ...
+/// SELECT` of the same rows; and the server's peak memory staging a larger one.
+async fn rebuild_bench(store: &PgStore, addr: SocketAddr, secret: &[u8]) {
+    let rows = env_or("SYNCHRO_BENCH_REBUILD", REBUILD_ROWS);
+    insert_many(store, "rebuild", 5_000_000, rows).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let bearer = format!("Bearer {}", dev_token(secret, "rebuild", now).unwrap());
+    let mut http = Http::open(addr, bearer).await;
+    let connect =
+        json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuild-client").to_json());
+    assert_eq!(http.post("/sync/connect", connect).await.0, 200);
+    let schema = {
+        let mut tx = store.begin().await.unwrap();
+        tx.manifests()
+            .await
+            .unwrap()
+            .pop()
+            .unwrap()
+            .reference()
+            .to_json()
+    };
+    let plain_before = plain_stage(store, "user:rebuild").await;
+    let start = Instant::now();
+    let id = "00000000-0000-4000-8000-00000000b001";
+    let mut cursor = json::Value::Null;
+    let mut first = None;
+    let mut served = 0;
+    loop {
+        let body = rebuild_body(
+            "rebuild-client",
+            &schema,
+            "user:rebuild",
+            id,
+            cursor.clone(),
+        );
+        let (status, page) = http.post("/sync/rebuild", body).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+        first.get_or_insert(start.elapsed());
+        let v = json::parse(&page).unwrap();
+        let o = v.as_object().unwrap();
+        if let json::Value::Array(r) = &o["records"] {
+            served += r.len();
+        }
+        if o["has_more"] != json::Value::Bool(true) {
+            break;
+        }
+        cursor = o["cursor"].clone();
+    }
+    let total = start.elapsed();
+    assert_eq!(served, rows);
+    let plain_after = plain_stage(store, "user:rebuild").await;
+    let plain = (plain_before + plain_after) / 2;
+    let first = first.unwrap();
+    println!(
+        "rebuild of {rows} rows at limit 1000 over HTTP: {:>7.0} ms  {:>7.0} rows/s",
+        ms(total),
+        rows as f64 / total.as_secs_f64()
+    );
+    println!(
+        "  first request (staging, sealing, page 1): {:>7.0} ms; plain INSERT ... SELECT {:>5.0} ms: {:.2}x",
+        ms(first),
+        ms(plain),
+        first.as_secs_f64() / plain.as_secs_f64()
+    );
+
+    // Peak memory while staging a larger scope.
+    let big = env_or("SYNCHRO_BENCH_STAGE_ROWS", STAGE_ROWS);
+    insert_many(store, "rebuildbig", 10_000_000, big).await;
+    let bearer = format!("Bearer {}", dev_token(secret, "rebuildbig", now).unwrap());
+    let mut http = Http::open(addr, bearer).await;
+    let connect =
+        json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuildbig-client").to_json());
+    assert_eq!(http.post("/sync/connect", connect).await.0, 200);
+    // Linux: writing 5 resets the peak resident set to the current one.
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let (before, _) = rss_kib();
+    let start = Instant::now();
+    let body = rebuild_body(
+        "rebuildbig-client",
+        &schema,
+        "user:rebuildbig",
+        id,
+        json::Value::Null,
+    );
+    let (status, page) = http.post("/sync/rebuild", body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
+    let staged = start.elapsed();
+    let (_, peak) = rss_kib();
+    println!(
+        "staging {big} rows: {:>7.0} ms; server RSS {:.1} MB before, peak {:.1} MB (+{:.1} MB)",
+        ms(staged),
+        before as f64 / 1024.0,
+        peak as f64 / 1024.0,
+        (peak.saturating_sub(before)) as f64 / 1024.0
+    );
 }

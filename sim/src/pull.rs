@@ -145,7 +145,6 @@ pub struct Client {
     /// This client's index, for its rebuild attempts' IDs.
     index: usize,
     attempts: u64,
-    schema: Value,
     rebuilt: PageLog,
 }
 
@@ -156,13 +155,7 @@ impl Client {
 
     /// Rebuilds every scope that needs it through `/sync/rebuild`.
     async fn rebuild(&mut self, trace: &Mutex<PullTrace>) {
-        let stale: Vec<String> = self
-            .replica
-            .scopes
-            .iter()
-            .filter(|(_, l)| l.cursor.is_none())
-            .map(|(s, _)| s.clone())
-            .collect();
+        let stale = self.replica.needs_rebuild();
         for scope in stale {
             self.rebuild_scope(&scope, trace).await;
         }
@@ -275,19 +268,8 @@ impl Client {
 
     /// The request of `attempt`'s next page.
     fn rebuild_body(&self, attempt: &Rebuilding, limit: u16) -> Vec<u8> {
-        let cursor = attempt
-            .continuation
-            .clone()
-            .map_or(Value::Null, Value::string);
-        json::to_canonical(&json::object([
-            ("client_id", Value::string(self.client_id.clone())),
-            ("client_generation", Value::int(self.generation as i64)),
-            ("schema", self.schema.clone()),
-            ("scope", Value::string(attempt.scope.clone())),
-            ("rebuild_id", Value::string(attempt.rebuild_id.clone())),
-            ("cursor", cursor),
-            ("limit", Value::int(i64::from(limit))),
-        ]))
+        self.replica
+            .rebuild_request(attempt, &self.client_id, self.generation, limit)
     }
 
     /// One pull, retried until a page comes; the page applied and judged.
@@ -550,7 +532,6 @@ async fn client_main(
         mutant,
         index,
         attempts: 0,
-        schema: schema.clone(),
         rebuilt: PageLog::default(),
     };
     for p in 0..pulls {

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use protocol::digest::{Digest, row_digest};
-use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
+use protocol::error::{ErrorKind, ProtocolError};
 use protocol::ids::ScopeId;
 use protocol::json;
 use protocol::manifest::Manifest;
@@ -114,19 +114,9 @@ impl<S: Store> Puller<S> {
         };
         let presented = self.judge_cursors(&ctx, &req)?;
         // 8. Admission control.
-        let Ok(_permit) = self.admission.clone().try_acquire_owned() else {
-            return Err(ProtocolError::new(ErrorKind::RetryLater).into());
-        };
+        let _permit = attempt::admit(&self.admission)?;
         // 9. Execute: capture must have materialized what this client wrote.
-        if progress.quarantine.is_some() {
-            return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
-                reason: Some(UnavailableReason::CaptureBlocked),
-            })
-            .into());
-        }
-        if tx.has_pending_fence(&client.client_id).await? {
-            return Err(ProtocolError::new(ErrorKind::CapturePending).into());
-        }
+        attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let authoritative = self.registry.assignment(&mut tx, user_id).await?;
         let changed = reconcile_assignment(&mut client, &authoritative)?;
         let scope_updates = scope_updates(&req, &authoritative);

@@ -191,13 +191,7 @@ impl<S: Store> PullClient<S> {
 
     /// Rebuilds every scope that needs it through `/sync/rebuild`.
     pub async fn rebuild(&mut self) {
-        let stale: Vec<String> = self
-            .replica
-            .scopes
-            .iter()
-            .filter(|(_, l)| l.cursor.is_none())
-            .map(|(s, _)| s.clone())
-            .collect();
+        let stale = self.replica.needs_rebuild();
         for scope in stale {
             self.rebuild_scope(&scope, 1000).await;
         }
@@ -237,19 +231,8 @@ impl<S: Store> PullClient<S> {
 
     /// The rebuild request of `attempt`'s next page.
     pub fn rebuild_body(&self, attempt: &Rebuilding, limit: u16) -> Vec<u8> {
-        let cursor = attempt
-            .continuation
-            .clone()
-            .map_or(Value::Null, Value::string);
-        json::to_canonical(&json::object([
-            ("client_id", Value::string(self.client_id.clone())),
-            ("client_generation", Value::int(self.generation as i64)),
-            ("schema", self.replica_schema()),
-            ("scope", Value::string(attempt.scope.clone())),
-            ("rebuild_id", Value::string(attempt.rebuild_id.clone())),
-            ("cursor", cursor),
-            ("limit", Value::int(i64::from(limit))),
-        ]))
+        self.replica
+            .rebuild_request(attempt, &self.client_id, self.generation, limit)
     }
 
     /// Rebuilds what needs it, then pulls to a terminal page; the changes seen.
