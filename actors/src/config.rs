@@ -107,7 +107,7 @@ pub struct ServerConfig {
     /// SQL run at every start before validation, for development schemas
     /// (must be idempotent). A path relative to the config file.
     pub bootstrap_sql: Option<String>,
-    /// Pull pages built at once; a pull past them answers `429 retry_later`.
+    /// Pull and rebuild pages built at once; a request past them answers `429 retry_later`.
     #[serde(default = "default_pull_pages")]
     pub pull_pages: usize,
 }
