@@ -255,7 +255,12 @@ async fn main() {
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
-    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+    let auth = Arc::new(
+        Authenticator::from_config(&AuthConfig::Hs256 {
+            secret_file: secret_file.clone(),
+        })
+        .unwrap(),
+    );
     let engine = Engine::start(store.clone(), push_config()).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -274,7 +279,14 @@ async fn main() {
         pull_bench(&store, addr, &secret).await;
     }
     if which != "pull" {
-        rebuild_bench(&store, addr, &secret).await;
+        rebuild_bench(
+            &store,
+            addr,
+            &secret,
+            &cluster.url("pull_bench"),
+            &secret_file,
+        )
+        .await;
     }
 }
 
@@ -392,9 +404,9 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The process's resident set now, and its peak since the last reset, in KiB.
-fn rss_kib() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+/// A process's resident set now, and its peak since the last reset, in KiB.
+fn rss_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let field = |name: &str| {
         status
             .lines()
@@ -470,7 +482,13 @@ async fn plain_stage(store: &PgStore, scope: &str) -> Duration {
 
 /// Staging and serving a scope over HTTP, against a plain `INSERT ...
 /// SELECT` of the same rows; and the server's peak memory staging a larger one.
-async fn rebuild_bench(store: &PgStore, addr: SocketAddr, secret: &[u8]) {
+async fn rebuild_bench(
+    store: &PgStore,
+    addr: SocketAddr,
+    secret: &[u8],
+    database_url: &str,
+    secret_file: &str,
+) {
     let rows = env_or("SYNCHRO_BENCH_REBUILD", REBUILD_ROWS);
     insert_many(store, "rebuild", 5_000_000, rows).await;
     let now = std::time::SystemTime::now()
@@ -536,17 +554,21 @@ async fn rebuild_bench(store: &PgStore, addr: SocketAddr, secret: &[u8]) {
         first.as_secs_f64() / plain.as_secs_f64()
     );
 
-    // Peak memory while staging a larger scope.
+    // Peak memory while staging a larger scope, of a `synchro serve`
+    // process of its own on the same database (a capture standby: this
+    // process leads capture), so that its memory is the server's alone.
     let big = env_or("SYNCHRO_BENCH_STAGE_ROWS", STAGE_ROWS);
     insert_many(store, "rebuildbig", 10_000_000, big).await;
+    let server = Served::start(database_url, secret_file).await;
     let bearer = format!("Bearer {}", dev_token(secret, "rebuildbig", now).unwrap());
-    let mut http = Http::open(addr, bearer).await;
+    let mut http = Http::open(server.addr, bearer).await;
     let connect =
         json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuildbig-client").to_json());
     assert_eq!(http.post("/sync/connect", connect).await.0, 200);
     // Linux: writing 5 resets the peak resident set to the current one.
-    std::fs::write("/proc/self/clear_refs", "5").unwrap();
-    let (before, _) = rss_kib();
+    let pid = server.child.id();
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    let (before, _) = rss_kib(pid);
     let start = Instant::now();
     let body = rebuild_body(
         "rebuildbig-client",
@@ -558,12 +580,72 @@ async fn rebuild_bench(store: &PgStore, addr: SocketAddr, secret: &[u8]) {
     let (status, page) = http.post("/sync/rebuild", body).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&page));
     let staged = start.elapsed();
-    let (_, peak) = rss_kib();
+    let (_, peak) = rss_kib(pid);
     println!(
-        "staging {big} rows: {:>7.0} ms; server RSS {:.1} MB before, peak {:.1} MB (+{:.1} MB)",
+        "staging {big} rows: {:>7.0} ms; server process RSS {:.1} MB before, peak {:.1} MB (+{:.1} MB)",
         ms(staged),
         before as f64 / 1024.0,
         peak as f64 / 1024.0,
         (peak.saturating_sub(before)) as f64 / 1024.0
     );
+}
+
+/// A `synchro serve` process on the bench's database, with the bench's
+/// HS256 secret; killed when dropped.
+struct Served {
+    child: std::process::Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Served {
+    async fn start(database_url: &str, secret_file: &str) -> Served {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        let config = actors::testkit::push_config_toml(actors::testkit::EXAMPLE_CONFIG.to_owned())
+            .replace(".synchro/hs256.secret", secret_file)
+            .replace("bootstrap_sql = \"schema.sql\"\n", "");
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--database-url",
+                database_url,
+            ])
+            .arg("--config")
+            .arg(dir.path().join("config.toml"))
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("the server printed its address")
+                .unwrap();
+            if let Some(a) = line.strip_prefix("synchro: listening on http://") {
+                break a.parse().unwrap();
+            }
+        };
+        // Keep reading what it prints, so that it never writes to a closed pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Served {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

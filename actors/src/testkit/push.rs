@@ -25,19 +25,22 @@ pub fn push_config() -> SyncConfig {
     push_config_with(|s| s)
 }
 
+/// The text of the push config: the example config (`text`) with writable
+/// templates, for a `synchro serve` process that must share its schema.
+pub fn push_config_toml(text: String) -> String {
+    text.replace(
+        r#"{ field_id = "fld_templates_name", column = "name", type = "string" }"#,
+        r#"{ field_id = "fld_templates_name", column = "name", type = "string", writable = true }"#,
+    )
+    .replace(
+        r#"{ field_id = "fld_templates_body", column = "body", type = "string" }"#,
+        r#"{ field_id = "fld_templates_body", column = "body", type = "string", writable = true }"#,
+    )
+}
+
 /// The push config after `edit` was applied to the example config's text.
 pub fn push_config_with(edit: impl Fn(String) -> String) -> SyncConfig {
-    let mut config = example_config(|s| {
-        let s = edit(s);
-        s.replace(
-            r#"{ field_id = "fld_templates_name", column = "name", type = "string" }"#,
-            r#"{ field_id = "fld_templates_name", column = "name", type = "string", writable = true }"#,
-        )
-        .replace(
-            r#"{ field_id = "fld_templates_body", column = "body", type = "string" }"#,
-            r#"{ field_id = "fld_templates_body", column = "body", type = "string", writable = true }"#,
-        )
-    });
+    let mut config = example_config(|s| push_config_toml(edit(s)));
     config.capture.heartbeat_ms = 20;
     config.capture.retry_ms = 20;
     config
