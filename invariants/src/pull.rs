@@ -163,6 +163,11 @@ impl Replica {
         json::to_canonical(&Value::Object(o))
     }
 
+    /// The schema reference this client presents.
+    pub fn schema_reference(&self) -> Value {
+        self.manifest.reference().to_json()
+    }
+
     /// The scopes with no usable incremental state: each needs a rebuild.
     pub fn needs_rebuild(&self) -> Vec<String> {
         self.scopes

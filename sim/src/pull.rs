@@ -97,6 +97,8 @@ pub struct PullTrace {
     pub restarts: usize,
     /// Rebuild pages requested again and compared.
     pub replays: usize,
+    /// Reconnects that renewed a client's generation (its cursors stale).
+    pub reconnects: usize,
     /// Whether the planted mutant fired.
     pub mutated: bool,
     /// Every checkpoint read, per (client, scope), in order.
@@ -153,6 +155,59 @@ impl Client {
         trace.lock().expect("trace").violations.push(v);
     }
 
+    /// Connects again presenting a generation the client no longer has,
+    /// with its scopes and cursors: the server renews the generation.
+    async fn reconnect(&mut self, trace: &Mutex<PullTrace>) {
+        self.connect_at(self.generation + 5, trace).await;
+        trace.lock().expect("trace").reconnects += 1;
+    }
+
+    /// A `409 client_generation_expired` (a resent connect renewed the
+    /// generation once more): connect again at the server's generation, as
+    /// the spec tells a client to. `false` when the answer is not that.
+    async fn adopt_generation(&mut self, answer: &[u8], trace: &Mutex<PullTrace>) -> bool {
+        let Some(current) = json::parse(answer).ok().and_then(|v| {
+            let e = v.as_object()?.get("error")?.as_object()?.clone();
+            if e.get("code")?.as_str()? != "client_generation_expired" {
+                return None;
+            }
+            match e.get("current_client_generation")? {
+                Value::Number(n) => n.as_exact_i64().and_then(|i| u64::try_from(i).ok()),
+                _ => None,
+            }
+        }) else {
+            return false;
+        };
+        self.connect_at(current, trace).await;
+        true
+    }
+
+    /// Connects presenting `generation`, the client's scopes and cursors.
+    async fn connect_at(&mut self, generation: u64, trace: &Mutex<PullTrace>) {
+        let mut body = ConnectBody::fresh(&self.client_id);
+        body.generation = Some(generation);
+        body.schema = self.replica.schema_reference();
+        body.scope_set_version = self.replica.scope_set_version;
+        body.known = self
+            .replica
+            .scopes
+            .iter()
+            .map(|(s, l)| (s.clone(), l.cursor.clone()))
+            .collect();
+        let body = json::to_canonical(&body.to_json());
+        let (status, answer) = call(&mut self.link, &self.user, CONNECT, &body, trace).await;
+        if status != 200 {
+            return; // a retry of a lost answer may see the renewal done; the next round goes on
+        }
+        let v = json::parse(&answer).expect("json");
+        if let Value::Number(n) = &v.as_object().expect("object")["client_generation"] {
+            self.generation = n.as_exact_i64().expect("generation") as u64;
+        }
+        if let Err(e) = self.replica.connected(&answer) {
+            self.note(trace, format!("{}: a connect body: {e}", self.client_id));
+        }
+    }
+
     /// Rebuilds every scope that needs it through `/sync/rebuild`.
     async fn rebuild(&mut self, trace: &Mutex<PullTrace>) {
         let stale = self.replica.needs_rebuild();
@@ -183,6 +238,7 @@ impl Client {
                     call(&mut self.link, &self.user, REBUILD, &body, trace).await;
                 match status {
                     200 => {}
+                    409 if self.adopt_generation(&page, trace).await => break,
                     409 => {
                         trace.lock().expect("trace").restarts += 1;
                         if dropped {
@@ -293,6 +349,7 @@ impl Client {
                     }
                 }
                 429 => {}
+                409 if self.adopt_generation(&page, trace).await => return None,
                 s => {
                     self.note(
                         trace,
@@ -542,6 +599,12 @@ async fn client_main(
         }
         // Now and then a scope's local state is lost (as after a checksum
         // mismatch, or a wiped cache): it is rebuilt before the next pull.
+        // Now and then the client reconnects presenting an old generation
+        // (as a restored device does): it is renewed, so every cursor it
+        // holds is stale, and the next pull sends each scope to rebuild.
+        if p > 0 && thread_rng().gen_bool(0.05) {
+            c.reconnect(&trace).await;
+        }
         // (The planted record-losing bug needs a rebuild with records:
         // its client loses its own scope in the run's second half.)
         if c.mutant == Some(Mutant::DropRecord) && p >= pulls / 2 {

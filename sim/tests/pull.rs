@@ -28,12 +28,13 @@ async fn pull_under_faults() {
         trace.violations[0]
     );
     eprintln!(
-        "pages {} changes {} rebuild pages {} restarts {} replays {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
+        "pages {} changes {} rebuild pages {} restarts {} replays {} reconnects {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
         trace.pages,
         trace.changes,
         trace.rebuild_pages,
         trace.restarts,
         trace.replays,
+        trace.reconnects,
         trace.retries,
         trace.capture_pending,
         trace.unavailable,
