@@ -112,6 +112,14 @@ fn dependency(r: &PgRow) -> Result<DependencyRow, StoreError> {
     })
 }
 
+/// A row of (identity, digest), as the membership index and the rebuild
+/// stage keep them.
+pub(crate) fn identity_digest(r: &PgRow) -> Result<(RowIdentity, Digest), StoreError> {
+    let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
+    let d: &[u8] = r.try_get(1).map_err(db_error)?;
+    Ok((RowIdentity::from_bytes(identity), digest(d)?))
+}
+
 /// The columns [`effect`] reads, in its order.
 pub(crate) const EFFECT_COLUMNS: &str = "scope_id, commit_lsn, event_ordinal, effect_ordinal, \
      table_id, identity, key_json, op, row_json, version, digest, schema_version";
@@ -296,11 +304,7 @@ impl PgTx {
         .await
         .map_err(db_error)?
         .iter()
-        .map(|r| {
-            let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
-            let d: &[u8] = r.try_get(1).map_err(db_error)?;
-            Ok((RowIdentity::from_bytes(identity), digest(d)?))
-        })
+        .map(identity_digest)
         .collect()
     }
 

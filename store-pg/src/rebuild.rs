@@ -10,7 +10,7 @@ use protocol::position::Boundary;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::materialized::{digest, integrity, to_i64, to_u64, version};
+use crate::materialized::{digest, identity_digest, integrity, to_i64, to_u64, version};
 use crate::{PgTx, db_error};
 
 const SESSION_COLUMNS: &str = "session_id::text, client_id, rebuild_id::text, scope_id, \
@@ -186,11 +186,7 @@ impl PgTx {
         .await
         .map_err(db_error)?
         .iter()
-        .map(|r| {
-            let identity: Vec<u8> = r.try_get(0).map_err(db_error)?;
-            let d: &[u8] = r.try_get(1).map_err(db_error)?;
-            Ok((RowIdentity::from_bytes(identity), digest(d)?))
-        })
+        .map(identity_digest)
         .collect()
     }
 

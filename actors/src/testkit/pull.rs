@@ -281,7 +281,8 @@ fn code(v: &Value) -> &str {
         .unwrap()
 }
 
-fn edit(body: &[u8], f: impl FnOnce(&mut json::Object)) -> Vec<u8> {
+/// A request body edited by `f`.
+pub(super) fn edit(body: &[u8], f: impl FnOnce(&mut json::Object)) -> Vec<u8> {
     let mut v = json::parse(body).unwrap();
     if let Value::Object(o) = &mut v {
         f(o);

@@ -15,7 +15,7 @@ use protocol::position::Boundary;
 use protocol::value::TypedValue;
 
 use super::capture::settle;
-use super::pull::{PullClient, note_row, pull_note};
+use super::pull::{PullClient, edit, note_row, pull_note};
 use super::push::{PushClient, note_mutation, push_config};
 use super::transport::{Node, Route, Serve, Transport};
 use super::{CaptureWorld, Write};
@@ -321,15 +321,6 @@ fn code(r: &crate::Reply) -> String {
         .to_owned()
 }
 
-/// A request body edited by `f`.
-fn edit(body: &[u8], f: impl FnOnce(&mut json::Object)) -> Vec<u8> {
-    let mut v = json::parse(body).unwrap();
-    if let Value::Object(o) = &mut v {
-        f(o);
-    }
-    json::to_canonical(&v)
-}
-
 /// Every request error, in the dispatch order.
 async fn request_errors<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
@@ -395,15 +386,13 @@ async fn request_errors<W: CaptureWorld>(world: &W, node: &Node) {
     let r = send(b"{".to_vec()).await;
     assert_eq!((r.status, code(&r)), (400, "invalid_request".into()));
     // 6. The generation gate before the schema gate, both before the continuation.
+    let other_schema = json::object([
+        ("version", Value::int(1)),
+        ("hash", Value::string("0".repeat(64))),
+    ]);
     let r = send(edit(&good, |o| {
         o.insert("client_generation".into(), Value::int(9));
-        o.insert(
-            "schema".into(),
-            json::object([
-                ("version", Value::int(1)),
-                ("hash", Value::string("0".repeat(64))),
-            ]),
-        );
+        o.insert("schema".into(), other_schema.clone());
         o.insert("cursor".into(), Value::string("rc1.forged"));
     }))
     .await;
@@ -412,13 +401,7 @@ async fn request_errors<W: CaptureWorld>(world: &W, node: &Node) {
         (409, "client_generation_expired".into())
     );
     let r = send(edit(&good, |o| {
-        o.insert(
-            "schema".into(),
-            json::object([
-                ("version", Value::int(1)),
-                ("hash", Value::string("0".repeat(64))),
-            ]),
-        );
+        o.insert("schema".into(), other_schema.clone());
         o.insert("cursor".into(), Value::string("rc1.forged"));
     }))
     .await;
