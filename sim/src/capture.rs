@@ -244,7 +244,8 @@ async fn writer(
 /// The server node for capture: the real engine, materializer included.
 async fn capture_server() {
     let incarnation: u32 = thread_rng().r#gen();
-    let _engine = remote::start_engine(remote::RemoteStore::new(u64::from(incarnation))).await;
+    let _engine =
+        remote::start_engine(remote::RemoteStore::new(u64::from(incarnation), None)).await;
     std::future::pending::<()>().await;
 }
 

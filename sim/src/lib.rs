@@ -16,6 +16,7 @@ mod link;
 pub mod pull;
 pub mod push;
 pub mod remote;
+pub mod tripwire;
 
 use actors::store::MemStore;
 use actors::testkit::ConnectBody;
@@ -23,8 +24,10 @@ use invariants::ConnectObservation;
 use madsim::net::{Endpoint, NetSim};
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
-use madsim::time::{TimeHandle, sleep};
+use madsim::time::{Instant, TimeHandle, sleep, sleep_until};
 use protocol::json::{self, Value};
+use tokio::sync::mpsc;
+use tripwire::{CrashPoint, Tripwire};
 
 pub(crate) const SERVER: &str = "10.0.0.1:7000";
 pub(crate) const REQUEST: u64 = 1;
@@ -97,23 +100,49 @@ where
 }
 
 /// Kills and restarts the server node `crashes` times, each after a pause
-/// drawn from `between` (milliseconds); `crashed` counts each one.
+/// drawn from `between` (milliseconds), and each time a tripwire of `trips`
+/// fires; `crashed` is told of each (with the point, for a tripwire). Ends
+/// when the random crashes are done and the tripwire is disarmed.
 pub(crate) fn crash_server(
     crashes: usize,
     between: std::ops::Range<u64>,
-    crashed: impl Fn() + Send + 'static,
+    mut trips: Option<mpsc::UnboundedReceiver<CrashPoint>>,
+    crashed: impl Fn(Option<CrashPoint>) + Send + 'static,
 ) -> madsim::task::JoinHandle<()> {
     let handle = Handle::current();
     madsim::task::spawn(async move {
-        for _ in 0..crashes {
-            sleep(Duration::from_millis(
-                thread_rng().gen_range(between.clone()),
-            ))
-            .await;
+        let mut left = crashes;
+        let pause = |between: &std::ops::Range<u64>| {
+            Instant::now() + Duration::from_millis(thread_rng().gen_range(between.clone()))
+        };
+        let mut next = pause(&between);
+        loop {
+            let listening = trips.is_some();
+            let tripped = async {
+                match trips.as_mut() {
+                    Some(t) => t.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            // `Some(None)`: a random crash; `Some(Some(p))`: a tripwire at
+            // `p`; `None`: the tripwire was disarmed.
+            let cause = tokio::select! {
+                _ = sleep_until(next), if left > 0 => {
+                    left -= 1;
+                    next = pause(&between);
+                    Some(None)
+                }
+                point = tripped, if listening => point.map(Some),
+                else => break,
+            };
+            let Some(cause) = cause else {
+                trips = None;
+                continue;
+            };
             handle.kill("server");
             sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
             handle.restart("server");
-            crashed();
+            crashed(cause);
         }
     })
 }
@@ -156,13 +185,13 @@ pub(crate) fn now_micros() -> i64 {
 
 /// The server node's program: the real engine, on the database node's store,
 /// behind a datagram endpoint; `route` answers each request.
-pub(crate) async fn serve_engine<F, Fut>(route: F)
+pub(crate) async fn serve_engine<F, Fut>(tripwire: Option<Arc<Tripwire>>, route: F)
 where
     F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
 {
     let incarnation: u32 = thread_rng().r#gen();
-    let engine = remote::start_engine(remote::RemoteStore::new(incarnation as u64)).await;
+    let engine = remote::start_engine(remote::RemoteStore::new(incarnation as u64, tripwire)).await;
     let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
     let mut buf = vec![0u8; MAX_FRAME];
     loop {
@@ -188,9 +217,9 @@ where
 
 /// The connect server.
 async fn server_main() {
-    serve_engine(
-        |engine, user, body| async move { engine.connect(&user, body, now_micros()).await },
-    )
+    serve_engine(None, |engine, user, body| async move {
+        engine.connect(&user, body, now_micros()).await
+    })
     .await;
 }
 

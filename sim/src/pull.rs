@@ -14,7 +14,7 @@
 //! A [`Mutant`] tampers with what a client receives, as a server bug would
 //! send it; the same checks must then fail.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,6 +37,7 @@ use protocol::position::StreamPosition;
 
 use crate::link::Link;
 use crate::now_micros;
+use crate::tripwire::{CrashPoint, Tripwire};
 
 const CONNECT: u8 = 0;
 const PUSH: u8 = 1;
@@ -99,6 +100,12 @@ pub struct PullTrace {
     pub replays: usize,
     /// Reconnects that renewed a client's generation (its cursors stale).
     pub reconnects: usize,
+    /// Local rows the run damaged.
+    pub damages: usize,
+    /// Terminal checksums that caught a local copy the run had damaged.
+    pub mismatches: usize,
+    /// The crash points the server died at.
+    pub tripped: BTreeSet<CrashPoint>,
     /// Whether the planted mutant fired.
     pub mutated: bool,
     /// Every checkpoint read, per (client, scope), in order.
@@ -109,9 +116,10 @@ fn note_key(k: usize) -> String {
     format!("00000000-0000-4000-8000-{:012x}", 0x5000 + k)
 }
 
-/// The server node: the real engine; the first body byte names the endpoint.
-async fn server_main() {
-    crate::serve_engine(|engine, user, body| async move {
+/// The server node: the real engine, stopping where `tripwire` arms it;
+/// the first body byte names the endpoint.
+async fn server_main(tripwire: Arc<Tripwire>) {
+    crate::serve_engine(Some(tripwire), |engine, user, body| async move {
         match body.split_first() {
             Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
             Some((&PUSH, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
@@ -148,11 +156,36 @@ pub struct Client {
     index: usize,
     attempts: u64,
     rebuilt: PageLog,
+    /// Scopes whose local copy the run damaged: their terminal checksum
+    /// must catch it (and they are rebuilt).
+    damaged: BTreeSet<String>,
 }
 
 impl Client {
     fn note(&self, trace: &Mutex<PullTrace>, v: String) {
         trace.lock().expect("trace").violations.push(v);
+    }
+
+    /// Damages one local row of a scope (its stored digest no longer its
+    /// content's), as a bad disk would; `false` when no scope holds a row.
+    fn damage(&mut self) -> bool {
+        let held: Vec<String> = (self.replica.scopes.iter())
+            .filter(|(_, l)| !l.rows.is_empty())
+            .map(|(s, _)| s.clone())
+            .collect();
+        if held.is_empty() {
+            return false;
+        }
+        let scope = &held[thread_rng().gen_range(0..held.len())];
+        let Some(l) = self.replica.scopes.get_mut(scope) else {
+            return false;
+        };
+        let k = thread_rng().gen_range(0..l.rows.len());
+        if let Some(row) = l.rows.values_mut().nth(k) {
+            row.digest.0[0] ^= 0x5a;
+        }
+        self.damaged.insert(scope.clone());
+        true
     }
 
     /// Connects again presenting a generation the client no longer has,
@@ -195,7 +228,16 @@ impl Client {
             .map(|(s, l)| (s.clone(), l.cursor.clone()))
             .collect();
         let body = json::to_canonical(&body.to_json());
-        let (status, answer) = call(&mut self.link, &self.user, CONNECT, &body, trace).await;
+        let (mut status, mut answer) =
+            call(&mut self.link, &self.user, CONNECT, &body, trace).await;
+        // A retryable answer: the identical request again after a pause.
+        for _ in 0..20 {
+            if status != 503 {
+                break;
+            }
+            sleep(Duration::from_millis(thread_rng().gen_range(200..400))).await;
+            (status, answer) = call(&mut self.link, &self.user, CONNECT, &body, trace).await;
+        }
         if status != 200 {
             return; // a retry of a lost answer may see the renewal done; the next round goes on
         }
@@ -228,7 +270,13 @@ impl Client {
                 self.index, self.attempts
             );
             let mut attempt = Rebuilding::new(scope, &id);
-            let limit = thread_rng().gen_range(1..=4);
+            // Every third attempt at limit 1, so that scopes of two rows
+            // or more are served over several pages in every run.
+            let limit = if self.attempts % 3 == 1 {
+                1
+            } else {
+                thread_rng().gen_range(1..=4)
+            };
             // A planted bug that fired in an attempt that then restarted
             // did no harm yet: it is armed again.
             let mut dropped = false;
@@ -388,6 +436,10 @@ impl Client {
             t.changes += applied.changes;
         }
         for s in &applied.mismatched {
+            if self.damaged.remove(s) {
+                trace.lock().expect("trace").mismatches += 1;
+                continue; // caught: its cursor is dropped, so it is rebuilt
+            }
             self.note(
                 trace,
                 format!(
@@ -395,6 +447,10 @@ impl Client {
                     self.client_id
                 ),
             );
+        }
+        if !applied.has_more {
+            // A damaged row that a change overwrote (or removed) healed.
+            self.damaged.clear();
         }
         for s in &applied.cursors {
             if let Err(v) = check_installed(store, s, &self.replica).await {
@@ -411,7 +467,7 @@ impl Client {
                 .or_default()
                 .push((c.stream_generation, c.position));
         }
-        Some(!applied.has_more && applied.rebuild.is_empty())
+        Some(!applied.has_more && applied.rebuild.is_empty() && applied.mismatched.is_empty())
     }
 }
 
@@ -590,15 +646,21 @@ async fn client_main(
         index,
         attempts: 0,
         rebuilt: PageLog::default(),
+        damaged: BTreeSet::new(),
     };
+    // A damaged copy is caught by the same check a planted bug trips, so
+    // the bug's client keeps its copy intact.
+    let damages = mutant.is_none();
     for p in 0..pulls {
         // (The record-losing bug's client writes a row of its own first.)
         let seeded = c.mutant == Some(Mutant::DropRecord) && p == pulls / 2 - 1;
         if seeded || thread_rng().gen_bool(0.1) {
             push_one(&mut c, &schema, index, p, &trace).await;
         }
-        // Now and then a scope's local state is lost (as after a checksum
-        // mismatch, or a wiped cache): it is rebuilt before the next pull.
+        // Now and then a scope's local state is lost (a wiped cache): it is
+        // rebuilt before the next pull. Or one of its rows is damaged on
+        // disk: the next terminal checksum must catch it, and the client
+        // rebuilds that scope.
         // Now and then the client reconnects presenting an old generation
         // (as a restored device does): it is renewed, so every cursor it
         // holds is stale, and the next pull sends each scope to rebuild.
@@ -621,6 +683,9 @@ async fn client_main(
                     l.cursor = None;
                 }
             }
+        }
+        if damages && (p == pulls / 3 || thread_rng().gen_bool(0.1)) && c.damage() {
+            trace.lock().expect("trace").damages += 1;
         }
         c.pull(&store, &trace).await;
         sleep(Duration::from_millis(thread_rng().gen_range(10..200))).await;
@@ -745,6 +810,25 @@ async fn application(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
     }
 }
 
+/// A few templates before the clients come: the shared scope every client
+/// rebuilds first (at limit 1) then takes several pages.
+async fn seed_templates(store: &MemStore) -> Result<(), String> {
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    for k in 0..3 {
+        let row: SourceImage = [
+            ("id", format!("tpl-{k}")),
+            ("name", format!("template {k}")),
+            ("body", "-".to_owned()),
+        ]
+        .into_iter()
+        .map(|(c, v)| (c.to_owned(), Some(v)))
+        .collect();
+        tx.source_insert("public.templates", row)
+            .map_err(|e| format!("{e:?}"))?;
+    }
+    tx.commit().await.map_err(|e| e.to_string())
+}
+
 /// The operator: grants and revokes team scopes.
 async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
@@ -763,12 +847,21 @@ async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
 pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    let database = crate::start_nodes(&store, scenario.packet_loss, server_main);
+    let (tripwire, trips) = Tripwire::arm(&CrashPoint::ALL);
+    let tripwire = Arc::new(tripwire);
+    let database = {
+        let tripwire = tripwire.clone();
+        crate::start_nodes(&store, scenario.packet_loss, move || {
+            server_main(tripwire.clone())
+        })
+    };
     let trace = Arc::new(Mutex::new(PullTrace::default()));
     store
         .install_capture(&actors::capture::CapturePlan::new(&push_config()))
         .await
         .map_err(|e| e.to_string())?;
+    seed_templates(&store).await?;
+    crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
@@ -793,14 +886,22 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     }
     let crasher = {
         let trace = trace.clone();
-        crate::crash_server(scenario.server_crashes, 1_000..15_000, move || {
-            trace.lock().expect("trace").crashes += 1;
-        })
+        crate::crash_server(
+            scenario.server_crashes,
+            1_000..15_000,
+            Some(trips),
+            move |point| {
+                let mut t = trace.lock().expect("trace");
+                t.crashes += 1;
+                t.tripped.extend(point);
+            },
+        )
     };
     let mut clients = Vec::new();
     for t in tasks {
         clients.push(t.await.map_err(|e| format!("client failed: {e}"))?);
     }
+    tripwire.disarm();
     crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
     // Quiescence: the application and the operator stop, the link heals,
     // capture catches up, and every client pulls to a terminal page.

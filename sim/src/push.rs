@@ -85,7 +85,7 @@ pub struct PushTrace {
 
 /// The server node: the real engine; the first body byte names the endpoint.
 async fn server_main() {
-    crate::serve_engine(|engine, user, body| async move {
+    crate::serve_engine(None, |engine, user, body| async move {
         match body.split_first() {
             Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
             Some((_, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
@@ -362,7 +362,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     }
     let crasher = {
         let trace = trace.clone();
-        crate::crash_server(scenario.server_crashes, 200..1200, move || {
+        crate::crash_server(scenario.server_crashes, 200..1200, None, move |_| {
             trace.lock().expect("trace").crashes += 1;
         })
     };

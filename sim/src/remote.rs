@@ -23,6 +23,7 @@ use actors::staging::{RebuildSession, StagedRow};
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use madsim::net::Endpoint;
+use madsim::rand::{Rng, thread_rng};
 use madsim::time::{Instant, sleep, timeout};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -31,18 +32,30 @@ use protocol::position::{Boundary, StreamPosition};
 use protocol::token::TokenKey;
 use tokio::sync::mpsc;
 
+use crate::tripwire::{CrashPoint, Tripwire};
+
 /// Where the database node listens.
 pub const DATABASE: &str = "10.0.0.2:7001";
 const DB_REQUEST: u64 = 11;
 const DB_REPLY: u64 = 12;
 /// How long the server waits for one database answer.
 const ANSWER_TIMEOUT: Duration = Duration::from_millis(300);
+/// Sends of one transaction operation before its connection counts as
+/// lost; each waits a share of `ANSWER_TIMEOUT`. A database connection is a
+/// reliable stream: a lost datagram costs latency, not the transaction.
+const TX_TRANSMISSIONS: u32 = 3;
+/// The chance that a database connection dies at an operation: the
+/// operation may or may not have run, and no answer comes (at a commit,
+/// a commit-unknown result). The transaction is rolled back by the
+/// database once its owner stays silent.
+const CONNECTION_DROP: f64 = 0.005;
 /// How long the database keeps a silent transaction open. A live owner sends
 /// its next operation within one round trip; an owner that gave up (after
 /// `ANSWER_TIMEOUT`) or crashed is rolled back soon after.
 const IDLE_TIMEOUT: Duration = Duration::from_millis(400);
 
 /// One operation inside a transaction.
+#[derive(Clone)]
 enum Op {
     Manifests,
     InsertManifest(Manifest),
@@ -96,6 +109,7 @@ enum Op {
     Rollback,
 }
 
+#[derive(Clone)]
 enum Answer {
     Manifests(Result<Vec<Manifest>, StoreError>),
     Unit(Result<(), StoreError>),
@@ -375,10 +389,21 @@ async fn transaction(
             }),
         )
         .await;
+    // The last answer, for a retransmission of its operation.
+    let mut last: Option<(u64, Answer)> = None;
     loop {
         let Ok(Some((seq, op, from))) = timeout(IDLE_TIMEOUT, ops.recv()).await else {
             return; // dropped: rolled back
         };
+        if let Some((done, answer)) = &last {
+            if seq < *done {
+                continue; // a stale retransmission
+            }
+            if seq == *done {
+                reply(&ep, from, id, seq, answer.clone()).await;
+                continue;
+            }
+        }
         let (answer, done) = match op {
             Op::Manifests => (Answer::Manifests(tx.manifests().await), false),
             Op::InsertManifest(m) => (Answer::Unit(tx.insert_manifest(&m).await), false),
@@ -473,31 +498,18 @@ async fn transaction(
             Op::Rollback => return,
         };
         if done {
-            let result = tx.commit().await;
-            let _ = ep
-                .send_to_raw(
-                    from,
-                    DB_REPLY,
-                    Box::new(Reply {
-                        id,
-                        seq,
-                        answer: Some(Answer::Unit(result)),
-                    }),
-                )
-                .await;
+            let result = Answer::Unit(tx.commit().await);
+            reply(&ep, from, id, seq, result.clone()).await;
+            // Answers a retransmitted commit for a while, then is gone.
+            while let Ok(Some((again, _, from))) = timeout(ANSWER_TIMEOUT, ops.recv()).await {
+                if again == seq {
+                    reply(&ep, from, id, seq, result.clone()).await;
+                }
+            }
             return;
         }
-        let _ = ep
-            .send_to_raw(
-                from,
-                DB_REPLY,
-                Box::new(Reply {
-                    id,
-                    seq,
-                    answer: Some(answer),
-                }),
-            )
-            .await;
+        reply(&ep, from, id, seq, answer.clone()).await;
+        last = Some((seq, answer));
     }
 }
 
@@ -505,14 +517,17 @@ async fn transaction(
 #[derive(Clone)]
 pub struct RemoteStore {
     next_id: Arc<AtomicU64>,
+    tripwire: Option<Arc<Tripwire>>,
 }
 
 impl RemoteStore {
     /// A store that talks to [`DATABASE`]; `node` keeps transaction IDs of
-    /// different server incarnations apart.
-    pub fn new(node: u64) -> RemoteStore {
+    /// different server incarnations apart. Its transactions stop at the
+    /// points `tripwire` arms, for the crasher to kill the server there.
+    pub fn new(node: u64, tripwire: Option<Arc<Tripwire>>) -> RemoteStore {
         RemoteStore {
             next_id: Arc::new(AtomicU64::new(node << 40)),
+            tripwire,
         }
     }
 }
@@ -523,6 +538,7 @@ pub struct RemoteTx {
     id: u64,
     seq: u64,
     finished: bool,
+    tripwire: Option<Arc<Tripwire>>,
 }
 
 impl Drop for RemoteTx {
@@ -550,7 +566,16 @@ fn lost() -> StoreError {
 }
 
 async fn answer(ep: &Endpoint, id: u64, seq: u64) -> Result<Option<Answer>, StoreError> {
-    let wait = async {
+    answer_within(ep, id, seq, ANSWER_TIMEOUT).await
+}
+
+async fn answer_within(
+    ep: &Endpoint,
+    id: u64,
+    seq: u64,
+    wait: Duration,
+) -> Result<Option<Answer>, StoreError> {
+    let arrival = async {
         loop {
             let Ok((payload, _)) = ep.recv_from_raw(DB_REPLY).await else {
                 continue;
@@ -563,7 +588,7 @@ async fn answer(ep: &Endpoint, id: u64, seq: u64) -> Result<Option<Answer>, Stor
             }
         }
     };
-    timeout(ANSWER_TIMEOUT, wait).await.map_err(|_| lost())
+    timeout(wait, arrival).await.map_err(|_| lost())
 }
 
 impl RemoteStore {
@@ -652,30 +677,75 @@ impl Store for RemoteStore {
         ep.send_to_raw(db, DB_REQUEST, Box::new(Request::Begin { id, give_up_at }))
             .await
             .map_err(|_| lost())?;
-        answer(&ep, id, 0).await?;
+        if let Err(e) = answer(&ep, id, 0).await {
+            // The begin may have taken the lock after all: release it.
+            let rollback = Request::Op {
+                id,
+                seq: 1,
+                op: Op::Rollback,
+            };
+            let _ = ep.send_to_raw(db, DB_REQUEST, Box::new(rollback)).await;
+            return Err(e);
+        }
         Ok(RemoteTx {
             ep: Arc::new(ep),
             id,
             seq: 0,
             finished: false,
+            tripwire: self.tripwire.clone(),
         })
     }
 }
 
 impl RemoteTx {
     async fn call(&mut self, op: Op) -> Result<Answer, StoreError> {
+        if let (Some(wire), Some(point)) = (&self.tripwire, crash_point(&op)) {
+            wire.reach(point).await;
+        }
         self.seq += 1;
         let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
-        let request = Request::Op {
+        let request = |op| Request::Op {
             id: self.id,
             seq: self.seq,
             op,
         };
-        self.ep
-            .send_to_raw(db, DB_REQUEST, Box::new(request))
-            .await
-            .map_err(|_| lost())?;
-        answer(&self.ep, self.id, self.seq).await?.ok_or_else(lost)
+        if thread_rng().gen_bool(CONNECTION_DROP) {
+            // The connection dies with the operation in flight, or before it.
+            if thread_rng().gen_bool(0.5) {
+                let _ = self
+                    .ep
+                    .send_to_raw(db, DB_REQUEST, Box::new(request(op)))
+                    .await;
+            }
+            self.finished = true; // nothing more reaches the database
+            sleep(ANSWER_TIMEOUT).await;
+            return Err(lost());
+        }
+        let share = ANSWER_TIMEOUT / TX_TRANSMISSIONS;
+        let mut outcome = Err(lost());
+        for _ in 0..TX_TRANSMISSIONS {
+            self.ep
+                .send_to_raw(db, DB_REQUEST, Box::new(request(op.clone())))
+                .await
+                .map_err(|_| lost())?;
+            outcome = answer_within(&self.ep, self.id, self.seq, share).await;
+            if outcome.is_ok() {
+                break;
+            }
+        }
+        outcome?.ok_or_else(lost)
+    }
+}
+
+/// The point a tripwire can stop `op` at, if any.
+fn crash_point(op: &Op) -> Option<CrashPoint> {
+    match op {
+        // The stage is written in this transaction; reading its digest back
+        // is the first step of sealing it.
+        Op::StagedDigests(_, 0, _) => Some(CrashPoint::MidStaging),
+        Op::PutRebuildPage(_, 0, _) => Some(CrashPoint::FirstPage),
+        Op::PutRebuildPage(..) => Some(CrashPoint::LaterPage),
+        _ => None,
     }
 }
 

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 use sim::pull::{Mutant, PullScenario, run_pull};
+use sim::tripwire::CrashPoint;
 
 fn reproduce(test: &str) -> String {
     let seed = madsim::runtime::Handle::current().seed();
@@ -28,20 +29,29 @@ async fn pull_under_faults() {
         trace.violations[0]
     );
     eprintln!(
-        "pages {} changes {} rebuild pages {} restarts {} replays {} reconnects {} retries {} capture_pending {} unavailable {} crashes {} elapsed {:?}",
+        "pages {} changes {} rebuild pages {} restarts {} replays {} reconnects {} damages {} caught {} retries {} capture_pending {} unavailable {} crashes {} (at {:?}) elapsed {:?}",
         trace.pages,
         trace.changes,
         trace.rebuild_pages,
         trace.restarts,
         trace.replays,
         trace.reconnects,
+        trace.damages,
+        trace.mismatches,
         trace.retries,
         trace.capture_pending,
         trace.unavailable,
         trace.crashes,
+        trace.tripped,
         madsim::time::TimeHandle::current().elapsed()
     );
     assert!(trace.crashes >= 1, "the server crashed\n{reproduce}");
+    for point in CrashPoint::ALL {
+        assert!(
+            trace.tripped.contains(&point),
+            "the server died at {point:?}\n{reproduce}"
+        );
+    }
     assert!(trace.changes > 0, "changes were pulled\n{reproduce}");
     assert!(trace.rebuild_pages > 0, "scopes were rebuilt\n{reproduce}");
 }
