@@ -7,7 +7,8 @@
 //! gates, the continuation, admission, the capture gates, then the first
 //! page (a new or reused session) or the continued one. A rebuild writes
 //! only its own session, stage and pages: never a checkpoint, an
-//! assignment, or another scope's state.
+//! assignment, or another scope's state. A background task sweeps expired
+//! sessions.
 
 use std::sync::Arc;
 
@@ -19,28 +20,35 @@ use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
 use protocol::wire::rebuild::{RebuildEnd, RebuildPage, RebuildRequest, Record};
 use protocol::wire::{PageRow, PrimaryKey};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 
 use crate::attempt::{self, Failure};
 use crate::cursor::{self, ContinuationRequest, Continued, CursorContext};
 use crate::pull::checksum::reproject;
 use crate::registry::Registry;
 use crate::reply::Reply;
-use crate::staging::{RebuildSession, SESSION_LIFETIME_MICROS, StagedRow};
+use crate::staging::{FORGET_AFTER_MICROS, RebuildSession, SESSION_LIFETIME_MICROS, StagedRow};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 
 /// Staged digests read back at once while sealing a session.
 const DIGEST_CHUNK: usize = 10_000;
 
-/// Expired sessions whose stages one rebuild request deletes, at most.
-const SWEEP_PER_REQUEST: usize = 4;
+/// Sessions one sweep transaction handles, at most (each of its two steps).
+const SWEEP_BATCH: usize = 64;
+
+/// The pause after a sweep pass: a busy server sweeps a few times a second,
+/// not once per request.
+const SWEEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The rebuild actor: the registry (schema, assignment, membership
-/// generations, keys) and the page admission it shares with pull.
+/// generations, keys), the page admission it shares with pull, and the
+/// line to its background sweep.
 pub struct Rebuilder<S: Store> {
     store: S,
     registry: Arc<Registry<S>>,
     admission: Arc<Semaphore>,
+    /// The server time of the latest request: wakes the sweep.
+    clock: watch::Sender<i64>,
 }
 
 /// What the request asks for, once its continuation is judged current.
@@ -57,36 +65,22 @@ enum Asked {
 impl<S: Store> Rebuilder<S> {
     /// A rebuilder that serves a page only with a permit of `admission`.
     pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Semaphore>) -> Self {
+        let (clock, time) = watch::channel(i64::MIN);
+        tokio::spawn(sweep(store.clone(), time));
         Rebuilder {
             store,
             registry,
             admission,
+            clock,
         }
     }
 
     /// `/sync/rebuild` for the authenticated `user_id`, at server time
-    /// `now_micros`; then a bounded sweep of expired stages.
+    /// `now_micros`. The time then wakes the sweep.
     pub async fn rebuild(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
         let reply = attempt::retried(|| self.rebuild_once(user_id, body, now_micros)).await;
-        self.sweep(now_micros).await;
+        self.clock.send_replace(now_micros);
         reply
-    }
-
-    /// Deletes the stages of a few expired sessions, in its own
-    /// transaction: every rebuild request takes a bounded share of the
-    /// work, on the server's clock as the request carries it. A failure
-    /// leaves them to the next request.
-    async fn sweep(&self, now_micros: i64) {
-        let Ok(mut tx) = self.store.begin().await else {
-            return;
-        };
-        if let Ok(n) = tx
-            .sweep_rebuild_sessions(now_micros, SWEEP_PER_REQUEST)
-            .await
-            && n > 0
-        {
-            let _ = tx.commit().await;
-        }
     }
 
     /// One attempt in one snapshot transaction; nothing is written unless it commits.
@@ -445,6 +439,38 @@ fn record(current: &Manifest, r: &StagedRow) -> Result<Record, StoreError> {
         },
         server_version: r.version.clone(),
     })
+}
+
+/// The background sweep (ADR 0009): woken by each rebuild request's server
+/// time (the engine reads no clock), it deletes the stages and
+/// pages of expired sessions, and forgets sessions swept long ago, in
+/// bounded transactions until nothing is left. A failure waits for the
+/// next wake. It ends with its rebuilder.
+async fn sweep<S: Store>(store: S, mut time: watch::Receiver<i64>) {
+    while time.changed().await.is_ok() {
+        let now_micros = *time.borrow_and_update();
+        while let Ok(handled) = sweep_once(&store, now_micros).await {
+            if handled < SWEEP_BATCH as u64 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        // The requests of this pause wake one pass, with the latest time.
+        tokio::time::sleep(SWEEP_PAUSE).await;
+    }
+}
+
+/// One bounded sweep transaction: the most sessions either step handled.
+async fn sweep_once<S: Store>(store: &S, now_micros: i64) -> Result<u64, StoreError> {
+    let mut tx = store.begin().await?;
+    let swept = tx.sweep_rebuild_sessions(now_micros, SWEEP_BATCH).await?;
+    let forgotten = tx
+        .forget_rebuild_sessions(now_micros.saturating_sub(FORGET_AFTER_MICROS), SWEEP_BATCH)
+        .await?;
+    if swept + forgotten > 0 {
+        tx.commit().await?;
+    }
+    Ok(swept.max(forgotten))
 }
 
 /// A version 4 UUID from the store's entropy (MemStore: its seeded RNG).

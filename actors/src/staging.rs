@@ -10,6 +10,10 @@ use protocol::position::Boundary;
 /// A session lives exactly this long after its creation, never extended.
 pub const SESSION_LIFETIME_MICROS: i64 = 24 * 60 * 60 * 1_000_000;
 
+/// A swept session is forgotten this long after it expired: until then its
+/// `rebuild_id` is answered with 409; after, it starts a new session.
+pub const FORGET_AFTER_MICROS: i64 = 30 * SESSION_LIFETIME_MICROS;
+
 /// One rebuild session: the context it was staged in, fixed at creation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RebuildSession {

@@ -94,6 +94,7 @@ enum Op {
     RebuildPage(CanonicalUuid, u64),
     PutRebuildPage(CanonicalUuid, u64, Vec<u8>),
     SweepRebuildSessions(i64, usize),
+    ForgetRebuildSessions(i64, usize),
     PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
     RecordPush(Box<PushRecord>),
     BeginWrites(Writer),
@@ -480,6 +481,10 @@ async fn transaction(
             }
             Op::SweepRebuildSessions(now, max) => (
                 Answer::Count(tx.sweep_rebuild_sessions(now, max).await),
+                false,
+            ),
+            Op::ForgetRebuildSessions(before, max) => (
+                Answer::Count(tx.forget_rebuild_sessions(before, max).await),
                 false,
             ),
             Op::PushLedger(u, c, b, ids) => {
@@ -1188,6 +1193,20 @@ impl StoreTx for RemoteTx {
         max: usize,
     ) -> Result<u64, StoreError> {
         match self.call(Op::SweepRebuildSessions(now_micros, max)).await? {
+            Answer::Count(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn forget_rebuild_sessions(
+        &mut self,
+        expired_before: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        match self
+            .call(Op::ForgetRebuildSessions(expired_before, max))
+            .await?
+        {
             Answer::Count(r) => r,
             _ => Err(mismatch()),
         }

@@ -497,6 +497,14 @@ impl StoreTx for PgTx {
         self.write_sweep(now_micros, max).await
     }
 
+    async fn forget_rebuild_sessions(
+        &mut self,
+        expired_before: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        self.write_forget(expired_before, max).await
+    }
+
     async fn put_rebuild_page(
         &mut self,
         session_id: &CanonicalUuid,

@@ -303,4 +303,22 @@ impl PgTx {
         }
         Ok(swept.len() as u64)
     }
+
+    pub(crate) async fn write_forget(
+        &mut self,
+        expired_before: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        let forgotten = sqlx::query(
+            "DELETE FROM synchro.rebuild_sessions WHERE session_id IN \
+             (SELECT session_id FROM synchro.rebuild_sessions WHERE swept AND expires_at <= $1 \
+              ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind(expired_before)
+        .bind(i64::try_from(max).map_err(|_| integrity("forget size"))?)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(forgotten.rows_affected())
+    }
 }

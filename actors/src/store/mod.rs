@@ -366,6 +366,15 @@ pub trait StoreTx: Send {
         max: usize,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Deletes at most `max` swept sessions that expired at or before
+    /// `expired_before`; how many it deleted. Their `rebuild_id`s are then
+    /// unknown: a first request with one starts a new session.
+    fn forget_rebuild_sessions(
+        &mut self,
+        expired_before: i64,
+        max: usize,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// The effects of a scope after `after` and through `through`, in position order.
     fn scope_effects(
         &mut self,

@@ -21,7 +21,7 @@ use super::transport::{Node, Route, Serve, Transport};
 use super::{CaptureWorld, Write};
 use crate::Engine;
 use crate::capture::{Materialization, MaterializedTransaction, Membership, Projection};
-use crate::staging::{RebuildSession, SESSION_LIFETIME_MICROS};
+use crate::staging::{FORGET_AFTER_MICROS, RebuildSession, SESSION_LIFETIME_MICROS};
 use crate::store::{Store, StoreError, StoreTx};
 
 const NOW: i64 = super::NOW;
@@ -279,6 +279,16 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
         "a swept session still answers for its rebuild_id"
     );
     tx.commit().await.unwrap();
+
+    // Forgetting: only swept sessions expired by then, at most `max` at a
+    // time; then their rebuild_ids are unknown.
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.forget_rebuild_sessions(expiry - 1, 10).await.unwrap(), 0);
+    assert_eq!(tx.forget_rebuild_sessions(expiry, 1).await.unwrap(), 1);
+    assert_eq!(tx.forget_rebuild_sessions(expiry, 10).await.unwrap(), 1);
+    assert_eq!(tx.forget_rebuild_sessions(expiry, 10).await.unwrap(), 0);
+    assert_eq!(tx.rebuild_session("c1", &uuid(1)).await.unwrap(), None);
+    tx.commit().await.unwrap();
 }
 
 /// The rebuild suite on one world, its clients calling the engine.
@@ -298,6 +308,7 @@ pub async fn rebuild_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     pages_and_handoff(world, &node).await;
     sizes(world, &node).await;
     stale_sessions(world, &node).await;
+    changed_rules(world, &node).await;
 }
 
 /// Writes `rows` notes of `owner` and waits until capture has them.
@@ -631,21 +642,50 @@ async fn stale_sessions<W: CaptureWorld>(world: &W, node: &Node) {
         )
         .await;
     restart(&first_again, scope);
-    // Those requests swept the expired stage; its session still answers 409.
-    let mut tx = store.begin().await.unwrap();
-    let expired = tx
-        .rebuild_session("st-c", &CanonicalUuid::parse(&a.rebuild_id).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        tx.staged_rows(&expired.session_id, 0, 10)
+    // Those requests woke the background sweep: the expired stage goes,
+    // its session stays and still answers 409.
+    let rebuild_id = CanonicalUuid::parse(&a.rebuild_id).unwrap();
+    let mut swept = false;
+    for _ in 0..500 {
+        let mut tx = store.begin().await.unwrap();
+        let expired = tx.rebuild_session("st-c", &rebuild_id).await.unwrap();
+        let expired = expired.expect("the swept session stays");
+        swept = tx
+            .staged_rows(&expired.session_id, 0, 10)
             .await
             .unwrap()
-            .is_empty(),
-        "the expired stage was swept"
-    );
-    drop(tx);
+            .is_empty();
+        drop(tx);
+        if swept {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(swept, "the expired stage was swept");
+    // Thirty days after its expiry, the swept session is forgotten: the
+    // request that finds it answers 409 and wakes the sweep, and after
+    // that its rebuild_id starts a new session.
+    let forgotten_at = NOW + SESSION_LIFETIME_MICROS + FORGET_AFTER_MICROS;
+    let first_of_a = c.rebuild_body(&Rebuilding::new(scope, &a.rebuild_id), 1);
+    let r = node
+        .engine
+        .rebuild("st-u", first_of_a.clone(), forgotten_at)
+        .await;
+    restart(&r, scope);
+    let mut renewed = None;
+    for _ in 0..500 {
+        let r = node
+            .engine
+            .rebuild("st-u", first_of_a.clone(), forgotten_at)
+            .await;
+        if r.status == 200 {
+            renewed = Some(r);
+            break;
+        }
+        restart(&r, scope);
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(renewed.is_some(), "a forgotten rebuild_id starts anew");
     // A push by the same client: its accepted-write epoch moved on.
     let (mut a, first) = start(&mut c, node, scope).await;
     c.replica.apply_rebuild(&mut a, &first).unwrap();
@@ -724,6 +764,73 @@ async fn stale_sessions<W: CaptureWorld>(world: &W, node: &Node) {
         .send(Route::Rebuild, "st-u", c.rebuild_body(&again, 1))
         .await;
     assert_eq!((r.status, code(&r)), (400, "invalid_request".into()));
+}
+
+/// A scope rule changes under a running rebuild (a restart with a new
+/// config): the membership generation of every scope the changed table's
+/// rules can produce advances, so their continuations are stale; a scope
+/// of another table continues.
+async fn changed_rules<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    notes(world, "mr-u", 700, 3).await;
+    let templates = [
+        [
+            ("id", Some("tpl-a")),
+            ("name", Some("A")),
+            ("body", Some("a")),
+        ],
+        [
+            ("id", Some("tpl-b")),
+            ("name", Some("B")),
+            ("body", Some("b")),
+        ],
+    ];
+    let writes: Vec<Write<'_>> = templates
+        .iter()
+        .map(|t| Write::Insert("public.templates", t))
+        .collect();
+    let lsn = world.write(&writes).await;
+    settle(store, lsn).await;
+    let mut c = PullClient::connect(store, node, "mr-u", "mr-c").await;
+    let (mut notes_attempt, first) = start(&mut c, node, "user:mr-u").await;
+    c.replica.apply_rebuild(&mut notes_attempt, &first).unwrap();
+    let (mut shared_attempt, first) = start(&mut c, node, "templates_public").await;
+    c.replica
+        .apply_rebuild(&mut shared_attempt, &first)
+        .unwrap();
+    // Notes now also belong to one more scope.
+    let changed = super::push::push_config_with(|s| {
+        s.replace(
+            "{ template = \"user:{owner_id}\" },",
+            "{ template = \"user:{owner_id}\" },\n  { constant = \"all_notes\" },",
+        )
+    });
+    assert_ne!(changed.tables, push_config().tables, "the rule changed");
+    let restarted = node.with(Engine::start(store.clone(), changed).await.unwrap());
+    let r = restarted
+        .send(Route::Rebuild, "mr-u", c.rebuild_body(&notes_attempt, 1))
+        .await;
+    assert_eq!(r.status, 409, "{}", String::from_utf8_lossy(&r.body));
+    let v = json::parse(&r.body).unwrap();
+    let e = v.as_object().unwrap()["error"].as_object().unwrap().clone();
+    assert_eq!(e["code"], Value::string("rebuild_restart_required"));
+    assert_eq!(e["scope_id"], Value::string("user:mr-u"));
+    let r = restarted
+        .send(Route::Rebuild, "mr-u", c.rebuild_body(&shared_attempt, 1))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert!(matches!(
+        c.replica
+            .apply_rebuild(&mut shared_attempt, &r.body)
+            .unwrap(),
+        RebuildStep::Done
+    ));
+    // A new attempt under the new rule goes through.
+    let fresh = c.new_attempt("user:mr-u");
+    let r = restarted
+        .send(Route::Rebuild, "mr-u", c.rebuild_body(&fresh, 1))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
 }
 
 /// A new attempt of `scope` at limit 1: its first page, which must be 200.

@@ -581,6 +581,14 @@ impl StoreTx for MemTx {
         Ok(MemTx::sweep_rebuild_sessions(self, now_micros, max))
     }
 
+    async fn forget_rebuild_sessions(
+        &mut self,
+        expired_before: i64,
+        max: usize,
+    ) -> Result<u64, StoreError> {
+        Ok(MemTx::forget_rebuild_sessions(self, expired_before, max))
+    }
+
     async fn put_rebuild_page(
         &mut self,
         session_id: &CanonicalUuid,

@@ -180,4 +180,18 @@ impl MemTx {
         }
         swept as u64
     }
+
+    pub(super) fn forget_rebuild_sessions(&mut self, expired_before: i64, max: usize) -> u64 {
+        let sessions = &mut self.work.rebuilds.sessions;
+        let forgotten: Vec<CanonicalUuid> = sessions
+            .iter()
+            .filter(|(_, h)| h.swept && h.session.expires_at <= expired_before)
+            .map(|(id, _)| *id)
+            .take(max)
+            .collect();
+        for id in &forgotten {
+            sessions.remove(id);
+        }
+        forgotten.len() as u64
+    }
 }
