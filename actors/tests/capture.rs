@@ -32,3 +32,11 @@ async fn truncate_blocks_capture() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_lost_slot_blocks_capture() {
+    actors::testkit::slot_loss_blocks(&Mem {
+        store: actors::testkit::example_mem_store(5).await,
+    })
+    .await;
+}

@@ -5,6 +5,7 @@
 //! so redelivered transactions).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,12 +25,24 @@ use protocol::position::{Boundary, StreamPosition};
 
 use crate::remote;
 
+/// The replication slot lost mid-run (ADR 0010).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotLoss {
+    /// The slot is dropped: capture must block, with nothing after its
+    /// last materialized transaction materialized, ever.
+    Dropped,
+    /// A planted bug: the slot's WAL is lost and capture goes on from a
+    /// new slot, as a server that recreated it silently would.
+    SilentlyRecreated,
+}
+
 /// Knobs of one capture run.
 #[derive(Clone, Debug)]
 pub struct CaptureScenario {
     pub writers: usize,
     pub transactions_per_writer: usize,
     pub packet_loss: f64,
+    pub slot_loss: Option<SlotLoss>,
 }
 
 impl Default for CaptureScenario {
@@ -37,10 +50,11 @@ impl Default for CaptureScenario {
         CaptureScenario {
             writers: 2,
             transactions_per_writer: 25,
-            // Every store operation is a datagram pair with no retransmission,
-            // so a materialization of ~10 operations fails ~20% of the time
-            // at 1% loss: failures are frequent, yet capture makes progress.
+            // Lost datagrams are retransmitted; a database connection dies
+            // at 0.5% of operations, and the server crashes: failures are
+            // frequent, yet capture makes progress.
             packet_loss: 0.01,
+            slot_loss: None,
         }
     }
 }
@@ -58,6 +72,10 @@ pub struct CaptureTrace {
     pub redeliveries: u64,
     /// Faults in order, for the determinism check.
     pub events: Vec<String>,
+    /// With a lost slot: the last commit before the loss, and the commits
+    /// that were materialized (the history is cut there).
+    pub slot_lost_after: Option<actors::capture::Lsn>,
+    pub materialized_commits: usize,
 }
 
 const USERS: [&str; 3] = ["u0", "u1", "u2"];
@@ -198,17 +216,36 @@ async fn writer(
     transactions: usize,
     notes: Arc<Mutex<Vec<String>>>,
     history: Arc<Mutex<Vec<SourceCommit>>>,
+    halfway: Option<Arc<AtomicBool>>,
 ) {
     let mut counter = 0;
-    for _ in 0..transactions {
+    for t in 0..transactions {
+        // With a gate, the second half waits for it (the slot lost).
+        while t == transactions / 2 && halfway.as_ref().is_some_and(|g| !g.load(Ordering::Relaxed))
+        {
+            sleep(Duration::from_millis(10)).await;
+        }
         sleep(Duration::from_millis(thread_rng().gen_range(5..80))).await;
+        write_one(&store, index, &mut counter, &notes, &history).await;
+    }
+}
+
+/// One application transaction of a few random writes, recorded in `history`.
+async fn write_one(
+    store: &MemStore,
+    index: usize,
+    counter: &mut u32,
+    notes: &Mutex<Vec<String>>,
+    history: &Mutex<Vec<SourceCommit>>,
+) {
+    {
         let mut tx = store.begin().await.unwrap();
         let mut writes = Vec::new();
         let n = thread_rng().gen_range(1..4);
         {
             let mut notes = notes.lock().unwrap();
             for _ in 0..n {
-                random_write(&mut tx, &mut notes, index, &mut counter, &mut writes);
+                random_write(&mut tx, &mut notes, index, counter, &mut writes);
             }
         }
         // The version each written row has now, for the version invariant.
@@ -311,6 +348,30 @@ pub async fn catch_up(store: &MemStore, last: actors::capture::Lsn) -> Result<()
     ))
 }
 
+/// Waits until capture is blocked by the lost slot; the commit LSN it
+/// materialized through.
+async fn blocked_at(store: &MemStore) -> Result<actors::capture::Lsn, String> {
+    for _ in 0..600 {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let p = tx.capture_progress().await.map_err(|e| e.to_string())?;
+        drop(tx);
+        if let Some(q) = p.quarantine {
+            if q.problem != actors::capture::CaptureProblem::SlotLost {
+                return Err(format!(
+                    "capture blocked by {}, not the lost slot",
+                    q.problem
+                ));
+            }
+            return Ok(match p.boundary {
+                Boundary::GenerationStart => 0,
+                Boundary::TransactionEnd { commit_lsn } => commit_lsn,
+            });
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Err("capture did not block on the lost slot within 60 simulated seconds".into())
+}
+
 /// Runs a capture scenario under the current seed.
 pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, String> {
     let handle = Handle::current();
@@ -325,6 +386,8 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         .map_err(|e| e.to_string())?;
     let history = Arc::new(Mutex::new(Vec::new()));
     let notes = Arc::new(Mutex::new(Vec::new()));
+    // With a lost slot, the writers' second halves come after the loss.
+    let lost = scenario.slot_loss.map(|_| Arc::new(AtomicBool::new(false)));
     let writers: Vec<_> = (0..scenario.writers)
         .map(|i| {
             database.spawn(writer(
@@ -333,10 +396,49 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
                 scenario.transactions_per_writer,
                 notes.clone(),
                 history.clone(),
+                lost.clone(),
             ))
         })
         .collect();
     let mut trace = CaptureTrace::default();
+    // The slot is lost while the writers write.
+    let loss = scenario.slot_loss.map(|kind| {
+        let (store, history, notes) = (store.clone(), history.clone(), notes.clone());
+        let own = scenario.writers; // the loss's own writes, as another session
+        let lost = lost.clone().expect("a gate");
+        // When every writer is halfway, so commits come after it.
+        let at = scenario.writers * (scenario.transactions_per_writer / 2);
+        database.spawn(async move {
+            // ... and once capture materialized something, so the loss cuts
+            // a stream that was running.
+            loop {
+                let materialized = match store.begin().await {
+                    Ok(mut tx) => tx
+                        .capture_progress()
+                        .await
+                        .is_ok_and(|p| p.boundary != Boundary::GenerationStart),
+                    Err(_) => false,
+                };
+                if materialized && history.lock().unwrap().len() >= at {
+                    break;
+                }
+                sleep(Duration::from_millis(thread_rng().gen_range(5..50))).await;
+            }
+            // The last commits before the loss: no feed can have read them
+            // yet, so the lost slot takes them along.
+            let mut counter = 0;
+            for _ in 0..2 {
+                write_one(&store, own, &mut counter, &notes, &history).await;
+            }
+            let before = store.last_commit_lsn().await;
+            match kind {
+                SlotLoss::Dropped => store.lose_slot().await,
+                SlotLoss::SilentlyRecreated => store.lose_wal().await,
+            }
+            lost.store(true, Ordering::Relaxed);
+            before
+        })
+    });
     // Crash the server (and with it the materializer) at arbitrary points.
     let crasher = {
         let handle = handle.clone();
@@ -361,9 +463,20 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
     trace.crashes = trace.events.len();
     trace.history = history.lock().unwrap().clone();
 
-    // Let capture catch up with everything committed.
+    if let Some(loss) = loss {
+        trace.slot_lost_after = Some(loss.await.map_err(|e| format!("slot loss failed: {e}"))?);
+    }
     let last = trace.history.last().map_or(0, |c| c.commit_lsn);
-    catch_up(&store, last).await?;
+    if scenario.slot_loss == Some(SlotLoss::Dropped) {
+        // Capture blocks; what it materialized is judged as the history
+        // through its boundary.
+        let through = blocked_at(&store).await?;
+        trace.history.retain(|c| c.commit_lsn <= through);
+    } else {
+        // Let capture catch up with everything committed.
+        catch_up(&store, last).await?;
+    }
+    trace.materialized_commits = trace.history.len();
     trace.redeliveries = store
         .feed_deliveries()
         .await

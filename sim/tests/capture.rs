@@ -5,14 +5,24 @@
 #![cfg(madsim)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use sim::capture::{CaptureScenario, run_capture};
+use sim::capture::{CaptureScenario, SlotLoss, run_capture};
+
+fn reproduce(test: &str) -> String {
+    let seed = madsim::runtime::Handle::current().seed();
+    format!(
+        "reproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test capture {test}"
+    )
+}
+
+/// The capture invariants over what was materialized.
+fn judged(trace: &sim::capture::CaptureTrace) -> Result<(), Vec<String>> {
+    invariants::capture::check_capture(&trace.history, &trace.effects, &trace.projections)
+        .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))
+}
 
 #[madsim::test]
 async fn capture_under_faults() {
-    let seed = madsim::runtime::Handle::current().seed();
-    let reproduce = format!(
-        "reproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test capture"
-    );
+    let reproduce = reproduce("capture_under_faults");
     let trace = match run_capture(CaptureScenario::default()).await {
         Ok(t) => t,
         Err(e) => panic!("{e}\n{reproduce}"),
@@ -28,15 +38,63 @@ async fn capture_under_faults() {
     );
     assert!(trace.crashes >= 1, "the materializer crashed\n{reproduce}");
     assert!(!trace.effects.is_empty());
-    let checked =
-        invariants::capture::check_capture(&trace.history, &trace.effects, &trace.projections)
-            .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members));
     assert!(!trace.members.is_empty(), "the membership index was read");
-    if let Err(v) = checked {
+    if let Err(v) = judged(&trace) {
         panic!(
             "{} capture violation(s), first: {}\n{reproduce}",
             v.len(),
             v[0]
         );
     }
+}
+
+/// The slot is dropped mid-run: capture blocks, and what it materialized is
+/// exactly the history through its boundary, which is at or before the
+/// loss (nothing committed later, and nothing skipped).
+#[madsim::test]
+async fn a_lost_slot_blocks_capture() {
+    let reproduce = reproduce("a_lost_slot_blocks_capture");
+    let scenario = CaptureScenario {
+        slot_loss: Some(SlotLoss::Dropped),
+        ..CaptureScenario::default()
+    };
+    let trace = match run_capture(scenario).await {
+        Ok(t) => t,
+        Err(e) => panic!("{e}\n{reproduce}"),
+    };
+    let lost_after = trace.slot_lost_after.expect("the slot was lost");
+    eprintln!(
+        "stats: materialized {} commits, the slot lost after {lost_after}, crashes {}",
+        trace.materialized_commits, trace.crashes
+    );
+    assert!(
+        trace.history.iter().all(|c| c.commit_lsn <= lost_after),
+        "a commit after the loss was materialized\n{reproduce}"
+    );
+    if let Err(v) = judged(&trace) {
+        panic!(
+            "{} capture violation(s), first: {}\n{reproduce}",
+            v.len(),
+            v[0]
+        );
+    }
+}
+
+/// A planted bug: capture goes on from a new slot after the loss, so the
+/// commits the lost slot held are silently skipped. The invariants must fail.
+#[madsim::test]
+async fn a_slot_recreated_silently_is_caught() {
+    let reproduce = reproduce("a_slot_recreated_silently_is_caught");
+    let scenario = CaptureScenario {
+        slot_loss: Some(SlotLoss::SilentlyRecreated),
+        ..CaptureScenario::default()
+    };
+    let trace = match run_capture(scenario).await {
+        Ok(t) => t,
+        Err(e) => panic!("{e}\n{reproduce}"),
+    };
+    assert!(
+        judged(&trace).is_err(),
+        "the skipped commits went unnoticed\n{reproduce}"
+    );
 }

@@ -176,29 +176,61 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
     tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
     tx.commit().await.map_err(db_error)?;
 
-    // A slot cannot be created in a transaction that wrote: its own statement.
-    let slot = store.feed_target.slot();
-    let has_slot: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND plugin = 'pgoutput' \
-         AND database = current_database())",
-    )
-    .bind(&slot)
-    .fetch_one(&store.pool)
-    .await
-    .map_err(db_error)?;
-    if !has_slot {
-        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-            .bind(&slot)
-            .execute(&store.pool)
-            .await
-            .map_err(db_error)?;
-    }
+    create_slot(store).await?;
     verify(store, plan).await
 }
 
-/// Checks that everything capture needs is in place.
+/// Creates the stream's slot the first time capture is installed, and
+/// records it. Once recorded, a missing slot is never created again: that
+/// would silently skip every commit since it was lost (`check` reports it).
+async fn create_slot(store: &PgStore) -> Result<(), StoreError> {
+    let slot = store.feed_target.slot();
+    let recorded: Option<String> = sqlx::query_scalar("SELECT slot_name FROM synchro.capture_slot")
+        .fetch_optional(&store.pool)
+        .await
+        .map_err(db_error)?;
+    if recorded.is_some() {
+        return Ok(());
+    }
+    let existing: Option<i64> = sqlx::query_scalar(
+        "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
+         WHERE slot_name = $1 AND plugin = 'pgoutput' AND database = current_database()",
+    )
+    .bind(&slot)
+    .fetch_optional(&store.pool)
+    .await
+    .map_err(db_error)?;
+    let consistent = match existing {
+        // Installed before slots were recorded: this slot is the stream's.
+        Some(lsn) => lsn,
+        // A slot cannot be created in a transaction that wrote: its own statement.
+        None => sqlx::query_scalar(
+            "SELECT (lsn - '0/0'::pg_lsn)::bigint \
+             FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        )
+        .bind(&slot)
+        .fetch_one(&store.pool)
+        .await
+        .map_err(db_error)?,
+    };
+    sqlx::query(
+        "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn) VALUES ($1, $2) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&slot)
+    .bind(consistent)
+    .execute(&store.pool)
+    .await
+    .map_err(db_error)?;
+    Ok(())
+}
+
+/// Checks that everything capture needs is in place. A lost slot does not
+/// fail installation: the server runs with capture blocked, until a reset.
 async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
-    if let Some(problem) = check(store, plan).await? {
+    if let Some(problem) = check(store, plan).await?
+        && problem != CaptureProblem::SlotLost
+    {
         return Err(StoreError::Integrity(format!(
             "capture is not in place: {problem}"
         )));
@@ -206,12 +238,16 @@ async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// What broke since `install`, if anything: a captured relation dropped,
-/// recreated (another OID) or unpublished, or a capture trigger gone or disabled.
+/// What broke since `install`, if anything: the slot lost, a captured
+/// relation dropped, recreated (another OID) or unpublished, or a capture
+/// trigger gone or disabled.
 pub(crate) async fn check(
     store: &PgStore,
     plan: &CapturePlan,
 ) -> Result<Option<CaptureProblem>, StoreError> {
+    if slot_lost(store).await? {
+        return Ok(Some(CaptureProblem::SlotLost));
+    }
     let intact = sqlx::query_scalar::<_, Option<bool>>(
         "SELECT bool_and(to_regclass(r.relation)::oid::int8 IS NOT DISTINCT FROM r.relation_oid) \
          FROM synchro.captured_relations r WHERE r.relation = ANY($1)",
@@ -251,6 +287,31 @@ pub(crate) async fn check(
         }
     }
     Ok(None)
+}
+
+/// Whether the recorded slot is gone: missing, invalidated (its WAL
+/// removed), or another slot under its name, whose confirmed position
+/// passed both where the recorded one began and everything materialized
+/// (capture confirms only what it committed).
+async fn slot_lost(store: &PgStore) -> Result<bool, StoreError> {
+    let row: Option<(Option<i64>, Option<String>, i64, i64)> = sqlx::query_as(
+        "SELECT (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, s.wal_status, \
+         r.consistent_lsn, p.end_lsn \
+         FROM synchro.capture_slot r CROSS JOIN synchro.capture_progress p \
+         LEFT JOIN pg_replication_slots s ON s.slot_name = r.slot_name \
+         AND s.plugin = 'pgoutput' AND s.database = current_database()",
+    )
+    .fetch_optional(&store.pool)
+    .await
+    .map_err(db_error)?;
+    let Some((confirmed, wal_status, consistent, materialized)) = row else {
+        return Ok(false); // not created yet: installation creates it
+    };
+    Ok(match confirmed {
+        None => true,
+        Some(_) if wal_status.as_deref() == Some("lost") => true,
+        Some(confirmed) => confirmed > consistent.max(materialized),
+    })
 }
 
 /// A captured relation as its latest `Relation` message describes it.

@@ -736,7 +736,7 @@ fn sql(w: &actors::testkit::Write<'_>) -> String {
 }
 
 #[cfg(feature = "testkit")]
-#[allow(clippy::expect_used, clippy::unwrap_used)] // test support fails loudly
+#[allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)] // test support fails loudly
 impl actors::testkit::CaptureWorld for PgWorld {
     type S = PgStore;
 
@@ -778,6 +778,31 @@ impl actors::testkit::CaptureWorld for PgWorld {
             .execute(self.store.pool())
             .await
             .unwrap();
+    }
+
+    async fn lose_slot(&self) {
+        // An active slot cannot be dropped: end its walsender first. The
+        // materializer reconnects at once, so this may take a few rounds.
+        let slot = self.store.feed_target.slot();
+        for _ in 0..200 {
+            sqlx::query(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                 WHERE slot_name = $1 AND active_pid IS NOT NULL",
+            )
+            .bind(&slot)
+            .execute(self.store.pool())
+            .await
+            .unwrap();
+            let dropped = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&slot)
+                .execute(self.store.pool())
+                .await;
+            if dropped.is_ok() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("the slot could not be dropped");
     }
 
     async fn fail_checkpoint_commits(&self, n: usize) {

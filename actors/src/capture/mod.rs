@@ -100,6 +100,10 @@ pub enum CaptureProblem {
     MissingProjection,
     /// A capture trigger on a registered table is missing or disabled.
     CaptureDisabled,
+    /// The replication slot is missing, invalidated, or another slot under
+    /// its name: the stream cannot continue where it stopped, and only a
+    /// stream reset recovers (ADR 0010).
+    SlotLost,
 }
 
 impl CaptureProblem {
@@ -114,6 +118,7 @@ impl CaptureProblem {
             CaptureProblem::InvalidScopeId => "invalid_scope_id",
             CaptureProblem::MissingProjection => "missing_projection",
             CaptureProblem::CaptureDisabled => "capture_disabled",
+            CaptureProblem::SlotLost => "slot_lost",
         }
     }
 
@@ -128,6 +133,7 @@ impl CaptureProblem {
             CaptureProblem::InvalidScopeId,
             CaptureProblem::MissingProjection,
             CaptureProblem::CaptureDisabled,
+            CaptureProblem::SlotLost,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)

@@ -106,7 +106,14 @@ pub async fn spawn<S: Store>(
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "materializer: cannot open the change feed");
-                    status.send_replace(CaptureStatus::Unavailable);
+                    // A feed that cannot open because capture is broken (a
+                    // lost slot) blocks capture; any other failure is retried.
+                    match block_if_broken(&store, &status).await {
+                        Ok(true) => {}
+                        _ => {
+                            status.send_replace(CaptureStatus::Unavailable);
+                        }
+                    }
                 }
             }
             if status.is_closed() {
@@ -116,6 +123,25 @@ pub async fn spawn<S: Store>(
         }
     });
     Ok(receiver)
+}
+
+/// Without a feed: if capture's installation is broken, blocks capture at
+/// the end of durable progress. Whether it did.
+async fn block_if_broken<S: Store>(
+    store: &S,
+    status: &watch::Sender<CaptureStatus>,
+) -> Result<bool, StoreError> {
+    let Some(problem) = store.check_capture().await? else {
+        return Ok(false);
+    };
+    let durable_end = {
+        let mut tx = store.begin().await?;
+        let p = tx.capture_progress().await?;
+        tx.commit().await?;
+        p.end_lsn
+    };
+    block_installation(store, durable_end, problem, status).await?;
+    Ok(true)
 }
 
 /// Records a broken installation as the quarantine (at the end of durable

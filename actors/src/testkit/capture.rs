@@ -50,6 +50,9 @@ pub trait CaptureWorld {
     /// at commit, after every write of their transaction, as a lost
     /// serialization race would.
     async fn fail_checkpoint_commits(&self, n: usize);
+    /// Fault injection: the replication slot is dropped behind the
+    /// server's back (as by hand, or invalidated by `max_slot_wal_keep_size`).
+    async fn lose_slot(&self);
 }
 
 /// The capture world of MemStore: application writes straight into its source relations.
@@ -111,6 +114,10 @@ impl CaptureWorld for MemWorld {
         self.store.retire_client(client_id).await;
     }
 
+    async fn lose_slot(&self) {
+        self.store.lose_slot().await;
+    }
+
     async fn fail_checkpoint_commits(&self, n: usize) {
         self.store.fail_checkpoint_commits(n);
     }
@@ -157,7 +164,7 @@ pub(crate) async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
 }
 
 /// Waits (up to 2 s) until the engine's readiness is `want`.
-async fn ready_becomes(engine: &Engine, want: bool, what: &str) {
+pub(super) async fn ready_becomes(engine: &Engine, want: bool, what: &str) {
     for _ in 0..400 {
         if engine.ready().await == want {
             return;

@@ -13,6 +13,7 @@ mod capture;
 mod pull;
 mod push;
 mod rebuild;
+mod stream;
 mod transport;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
@@ -28,6 +29,7 @@ pub use push::{
     version_of,
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
+pub use stream::slot_loss_blocks;
 pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).

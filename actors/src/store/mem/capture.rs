@@ -68,6 +68,9 @@ pub(super) struct CaptureState {
     log: Vec<SourceTransaction>,
     next_lsn: Lsn,
     slot_ack: Lsn,
+    /// The slot was dropped or invalidated: no feed opens, and the WAL it
+    /// held is gone.
+    pub(super) slot_lost: bool,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
@@ -110,6 +113,7 @@ impl CaptureState {
             log: Vec::new(),
             next_lsn: LSN_STEP,
             slot_ack: 0,
+            slot_lost: false,
             pending: None,
             progress: CaptureProgress {
                 boundary: Boundary::GenerationStart,
@@ -152,6 +156,11 @@ impl CaptureState {
         self.plan = Some(plan.clone());
     }
 
+    /// Drops the unacknowledged WAL (with the slot that retained it).
+    pub fn lose_log(&mut self) {
+        self.log.clear();
+    }
+
     /// The commit LSN of the newest committed source transaction (0 before any).
     pub fn last_commit_lsn(&self) -> Lsn {
         self.next_lsn - LSN_STEP
@@ -163,7 +172,9 @@ impl CaptureState {
         t.commit_lsn = self.next_lsn;
         t.end_lsn = self.next_lsn + 1;
         self.next_lsn += LSN_STEP;
-        self.log.push(t);
+        if !self.slot_lost {
+            self.log.push(t); // no slot retains the WAL of a lost one
+        }
         Some(self.log.len())
     }
 
@@ -675,6 +686,11 @@ impl ChangeFeed for MemFeed {
         loop {
             {
                 let mut state = self.store.state.lock().await;
+                if state.capture.slot_lost {
+                    return Err(StoreError::Unavailable(
+                        "the replication slot is gone".into(),
+                    ));
+                }
                 let next = state
                     .capture
                     .log

@@ -110,6 +110,21 @@ impl MemStore {
         self.state.lock().await.capture.last_commit_lsn()
     }
 
+    /// Fault injection: the replication slot is dropped (or invalidated):
+    /// the WAL it retained is gone, no feed opens, and `check_capture`
+    /// reports it. An open feed reads nothing more.
+    pub async fn lose_slot(&self) {
+        let mut state = self.state.lock().await;
+        state.capture.slot_lost = true;
+        state.capture.lose_log();
+    }
+
+    /// Fault injection for a planted bug: the slot's unacknowledged WAL is
+    /// lost, and capture goes on as if a new slot were the old one.
+    pub async fn lose_wal(&self) {
+        self.state.lock().await.capture.lose_log();
+    }
+
     /// Transactions the change feeds delivered, redeliveries included.
     pub async fn feed_deliveries(&self) -> u64 {
         self.state.lock().await.capture.deliveries
@@ -236,11 +251,17 @@ impl Store for MemStore {
     }
 
     async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
-        // MemStore has no DDL: what it installed cannot drift.
-        Ok(None)
+        // MemStore has no DDL: what it installed cannot drift. Its slot can be lost.
+        let lost = self.state.lock().await.capture.slot_lost;
+        Ok(lost.then_some(CaptureProblem::SlotLost))
     }
 
     async fn change_feed(&self) -> Result<Option<MemFeed>, StoreError> {
+        if self.state.lock().await.capture.slot_lost {
+            return Err(StoreError::Unavailable(
+                "the replication slot does not exist".into(),
+            ));
+        }
         if self
             .leader
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
