@@ -66,7 +66,7 @@ fn row_json(n: usize, value_len: usize, key: usize) -> json::Value {
 fn preimage(
     m: &Manifest,
     identity: &RowIdentity,
-    row: &protocol::digest::Row,
+    row: &protocol::manifest::Row,
     version: &ServerVersion,
 ) -> Vec<u8> {
     let t = &m.tables()[0];

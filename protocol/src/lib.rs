@@ -13,6 +13,7 @@ pub mod json;
 pub mod limits;
 pub mod manifest;
 mod members;
+pub mod sha256;
 pub mod value;
 
 pub use members::ShapeError;

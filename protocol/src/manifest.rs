@@ -1,10 +1,10 @@
 //! Immutable schema manifests, their SHA-256 hash, schema references, and
 //! decoding of complete rows against a table (INTEGRITY.md "Schema manifest hash").
 
-use crate::digest::{Digest, Row};
 use crate::json::{self, Object, Value, object};
 use crate::limits::{MAX_SAFE_INTEGER, MAX_SCOPE_ID_OCTETS};
 use crate::members::{self, Members, ShapeError};
+use crate::sha256::Digest;
 use crate::value::{self, DecimalBounds, FieldType, PortableType, TypedValue, ValueError};
 
 /// A reference to one immutable manifest: positive version and its hash.
@@ -381,6 +381,20 @@ impl TableManifest {
         );
         o.insert("indexes".into(), Value::Array(self.indexes.clone()));
         Value::Object(o)
+    }
+}
+
+/// A complete authoritative row: one value per synced field, in the table's
+/// field order (sorted by field-ID bytes). Built by [`TableManifest::decode_row`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub(crate) values: Vec<Option<TypedValue>>,
+}
+
+impl Row {
+    /// The values in field-ID order; `None` is SQL NULL.
+    pub fn values(&self) -> &[Option<TypedValue>] {
+        &self.values
     }
 }
 

@@ -13,12 +13,12 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::digest::{Digest, domain_hasher};
 use crate::ids::CanonicalUuid;
 use crate::json::{self, Object, Value};
 use crate::limits::MAX_TOKEN_OCTETS;
 use crate::members::Members;
 use crate::position::{Boundary, StreamPosition};
+use crate::sha256::{Digest, domain_hasher};
 use crate::wire::PageLimit;
 
 type HmacSha256 = Hmac<Sha256>;

@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use protocol::digest::{Row, RowIdentity};
+use protocol::digest::RowIdentity;
 use protocol::json::{Object, Value};
+use protocol::manifest::Row;
 use protocol::manifest::{Manifest, TableManifest};
 use protocol::value::{self, TypedValue};
 

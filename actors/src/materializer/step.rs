@@ -13,9 +13,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use protocol::digest::{Row, RowDigester, RowIdentity};
+use protocol::digest::{RowDigester, RowIdentity};
 use protocol::ids::{ScopeId, ServerVersion};
 use protocol::json::{self, Value};
+use protocol::manifest::Row;
 
 use super::model::{Model, Rule, Table};
 use crate::capture::{
