@@ -467,6 +467,10 @@ async fn sweep_once<S: Store>(store: &S, now_micros: i64) -> Result<u64, StoreEr
     let forgotten = tx
         .forget_rebuild_sessions(now_micros.saturating_sub(FORGET_AFTER_MICROS), SWEEP_BATCH)
         .await?;
+    assert!(
+        swept <= SWEEP_BATCH as u64 && forgotten <= SWEEP_BATCH as u64,
+        "a sweep never exceeds its bound"
+    );
     if swept + forgotten > 0 {
         tx.commit().await?;
     }

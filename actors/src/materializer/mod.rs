@@ -250,6 +250,10 @@ async fn lead<S: Store>(
             feed.acknowledge(durable_end).await?;
             continue;
         }
+        assert!(
+            group.windows(2).all(|w| w[0].end_lsn <= w[1].commit_lsn),
+            "a group holds whole transactions in commit order"
+        );
         let mut tx = store.begin().await?;
         let outcome = step::materialize_group(&mut tx, model, &group).await?;
         if let Some(m) = &outcome.combined {
@@ -272,6 +276,14 @@ async fn lead<S: Store>(
         .await?;
         tx.commit().await?;
         if let Some(m) = &outcome.combined {
+            assert!(m.end_lsn > durable_end, "progress only moves forward");
+            assert!(
+                match boundary {
+                    Boundary::GenerationStart => true,
+                    Boundary::TransactionEnd { commit_lsn } => m.commit_lsn > commit_lsn,
+                },
+                "the boundary only moves forward"
+            );
             boundary = Boundary::TransactionEnd {
                 commit_lsn: m.commit_lsn,
             };
