@@ -15,7 +15,7 @@ use std::sync::Arc;
 use protocol::digest::{RowIdentity, ScopeDigest};
 use protocol::error::{ErrorKind, ProtocolError};
 use protocol::ids::CanonicalUuid;
-use protocol::json::{self, Canonical};
+use protocol::json::Canonical;
 use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
 use protocol::wire::rebuild::{RebuildEnd, RebuildPage, RebuildRequest, Record};
@@ -408,16 +408,23 @@ fn record(current: &Manifest, r: &StagedRow) -> Result<Record, StoreError> {
     let table = current
         .table(&r.table_id)
         .ok_or_else(|| bad("names a table the manifest lacks"))?;
-    let row = json::parse(r.row.as_bytes()).map_err(|_| bad("is not JSON"))?;
-    let object = row.as_object().ok_or_else(|| bad("is not an object"))?;
+    // The key comes from the identity's bytes: the row text is spliced as
+    // stored, never parsed.
     let field_id = table.primary_key_field_id();
-    let value = object
-        .get(field_id)
-        .cloned()
-        .ok_or_else(|| bad("has no primary key"))?;
-    // Debug builds (every test, the simulator) check the staged digest.
+    let value = match r.identity.key() {
+        Some((id, key)) if id == field_id => key.to_wire(),
+        _ => return Err(bad("has an identity of another key")),
+    };
+    // Debug builds (every test, the simulator) check the staged digest and key.
     #[cfg(debug_assertions)]
     {
+        let row = protocol::json::parse(r.row.as_bytes()).map_err(|_| bad("is not JSON"))?;
+        let object = row.as_object().ok_or_else(|| bad("is not an object"))?;
+        assert_eq!(
+            object.get(field_id),
+            Some(&value),
+            "a staged key is its row's"
+        );
         let decoded = table
             .decode_row(object)
             .map_err(|_| bad("does not fit the manifest"))?;

@@ -62,6 +62,27 @@ impl RowIdentity {
             };
         (payload_ok && !table_id.is_empty() && !field_id.is_empty()).then_some(RowIdentity(bytes))
     }
+
+    /// The primary-key field ID and value inside the identity, read back
+    /// from its bytes (no row needed); `None` for bytes that are not one.
+    pub fn key(&self) -> Option<(&str, TypedValue)> {
+        let rest = self.0.strip_prefix(IDENTITY_DOMAIN)?;
+        let (_, rest) = take_text(rest)?;
+        let (field_id, rest) = take_text(rest)?;
+        let (&[tag, 0x01], rest) = rest.split_first_chunk::<2>()? else {
+            return None;
+        };
+        let value = match tag {
+            0x01 => match take_text(rest)? {
+                (s, []) => TypedValue::String(s.to_owned()),
+                _ => return None,
+            },
+            0x02 => TypedValue::Int(i32::from_be_bytes(rest.try_into().ok()?)),
+            0x03 => TypedValue::Int64(i64::from_be_bytes(rest.try_into().ok()?)),
+            _ => return None,
+        };
+        Some((field_id, value))
+    }
 }
 
 const IDENTITY_DOMAIN: &[u8] = b"synchro:v3:row-identity:v1\0";

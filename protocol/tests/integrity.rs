@@ -457,3 +457,22 @@ fn manifest_rules() {
     assert_eq!(child.parent_schema(), Some(a.reference()));
     assert_eq!(Manifest::from_json(child.to_json()).unwrap(), child);
 }
+
+#[test]
+fn an_identity_gives_back_its_key() {
+    for key in [
+        TypedValue::String("n-1".into()),
+        TypedValue::String(String::new()),
+        TypedValue::Int(-7),
+        TypedValue::Int64(i64::MAX),
+    ] {
+        let identity = RowIdentity::new("tbl", "fld_id", &key);
+        assert_eq!(identity.key(), Some(("fld_id", key)));
+    }
+    let mut bytes = RowIdentity::new("tbl", "fld_id", &TypedValue::Int(1))
+        .as_bytes()
+        .to_vec();
+    bytes.push(0);
+    assert_eq!(RowIdentity::from_bytes(bytes).key(), None, "trailing bytes");
+    assert_eq!(RowIdentity::from_bytes(b"x".to_vec()).key(), None);
+}
