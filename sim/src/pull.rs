@@ -33,7 +33,7 @@ use madsim::runtime::Handle;
 use madsim::time::sleep;
 use protocol::ids::ScopeId;
 use protocol::json::{self, Value};
-use protocol::position::StreamPosition;
+use protocol::position::{Boundary, StreamPosition};
 
 use crate::link::Link;
 use crate::now_micros;
@@ -106,6 +106,9 @@ pub struct PullTrace {
     pub mismatches: usize,
     /// The crash points the server died at.
     pub tripped: BTreeSet<CrashPoint>,
+    /// The longest time capture stood still while commits waited, before
+    /// quiescence (sampled each simulated second).
+    pub longest_capture_stall: Duration,
     /// Whether the planted mutant fired.
     pub mutated: bool,
     /// Every checkpoint read, per (client, scope), in order.
@@ -413,8 +416,9 @@ impl Client {
             // As Retry-After says (the adapter sends 5 seconds), with jitter.
             sleep(Duration::from_millis(thread_rng().gen_range(4_000..6_000))).await;
         };
+        let received = boundary_now(store).await;
         if let Some(m) = self.mutant.filter(|m| *m != Mutant::DropRecord)
-            && let Some(mutated) = mutate(m, &page, self, store).await
+            && let Some(mutated) = mutate(m, &page, self, store, received).await
         {
             page = mutated;
             self.mutant = None;
@@ -453,7 +457,7 @@ impl Client {
             self.damaged.clear();
         }
         for s in &applied.cursors {
-            if let Err(v) = check_installed(store, s, &self.replica).await {
+            if let Err(v) = check_installed(store, s, &self.replica, received).await {
                 self.note(trace, format!("{}: {v}", self.client_id));
             }
         }
@@ -471,13 +475,13 @@ impl Client {
     }
 }
 
-/// The scope's effects since the stream began, as the checker sees them.
-async fn effects_of(store: &MemStore, scope: &str) -> Vec<EffectView> {
+/// The scope's effects since the stream began through `through`, as the
+/// checker sees them.
+async fn effects_of(store: &MemStore, scope: &str, through: Boundary) -> Vec<EffectView> {
     let scope = ScopeId::parse(scope).expect("scope");
     let mut tx = store.begin().await.expect("begin");
-    let b = tx.capture_progress().await.expect("progress").boundary;
     let effects = tx
-        .scope_effects(&scope, StreamPosition::GenerationStart, b)
+        .scope_effects(&scope, StreamPosition::GenerationStart, through)
         .await
         .expect("effects");
     effects
@@ -493,13 +497,28 @@ async fn effects_of(store: &MemStore, scope: &str) -> Vec<EffectView> {
 }
 
 /// `invariants::pull::check_cursor` for the cursor just installed on `scope`.
-async fn check_installed(store: &MemStore, scope: &str, replica: &Replica) -> Result<(), String> {
+/// Judged against the effects through `received`, the boundary when the
+/// page arrived: at or past the page's own, so an effect materialized
+/// since only counts as still to come.
+async fn check_installed(
+    store: &MemStore,
+    scope: &str,
+    replica: &Replica,
+    received: Boundary,
+) -> Result<(), String> {
     let local = &replica.scopes[scope];
     let Some(cursor) = &local.cursor else {
         return Ok(());
     };
     let at = cursor_position(store, cursor).await;
-    invariants::pull::check_cursor(scope, &effects_of(store, scope).await, at, &local.rows)
+    let effects = effects_of(store, scope, received).await;
+    invariants::pull::check_cursor(scope, &effects, at, &local.rows)
+}
+
+/// The capture boundary now.
+async fn boundary_now(store: &MemStore) -> Boundary {
+    let mut tx = store.begin().await.expect("begin");
+    tx.capture_progress().await.expect("progress").boundary
 }
 
 /// Whether holding `held` differs from the state `e` leaves.
@@ -520,7 +539,13 @@ fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
 /// The page as the planted bug would have sent it, if it applies here: the
 /// bug must lose something the client would notice (a change that moves its
 /// state and that no later effect replaces), or it did no harm.
-async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<Vec<u8>> {
+async fn mutate(
+    m: Mutant,
+    page: &[u8],
+    c: &Client,
+    store: &MemStore,
+    received: Boundary,
+) -> Option<Vec<u8>> {
     let mut v = json::parse(page).ok()?;
     let o = match &mut v {
         Value::Object(o) => o,
@@ -538,7 +563,7 @@ async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<
                 let scope = ch.get("scope")?.as_str()?;
                 let version = ch.get("server_version")?.as_str()?;
                 let identity = c.replica.identity_of(change)?;
-                let effects = effects_of(store, scope).await;
+                let effects = effects_of(store, scope, received).await;
                 let Some(e) = effects.iter().rev().find(|e| e.identity == identity) else {
                     continue;
                 };
@@ -557,7 +582,7 @@ async fn mutate(m: Mutant, page: &[u8], c: &Client, store: &MemStore) -> Option<
             let mut replaced = None;
             for (scope, token) in cursors.iter() {
                 let at = cursor_position(store, token.as_str()?).await;
-                let effects = effects_of(store, scope).await;
+                let effects = effects_of(store, scope, received).await;
                 let Some(rows) = c.replica.scopes.get(scope).map(|s| &s.rows) else {
                     continue;
                 };
@@ -829,6 +854,31 @@ async fn seed_templates(store: &MemStore) -> Result<(), String> {
     tx.commit().await.map_err(|e| e.to_string())
 }
 
+/// The longest time, until `stop`, that capture's boundary stood still
+/// while a later commit waited.
+async fn capture_stalls(store: MemStore, stop: Arc<AtomicBool>) -> Duration {
+    const EVERY: Duration = Duration::from_secs(1);
+    let (mut longest, mut current) = (Duration::ZERO, Duration::ZERO);
+    let mut last_boundary = None;
+    while !stop.load(Ordering::Relaxed) {
+        sleep(EVERY).await;
+        let committed = store.last_commit_lsn().await;
+        let boundary = boundary_now(&store).await;
+        let through = match boundary {
+            Boundary::GenerationStart => 0,
+            Boundary::TransactionEnd { commit_lsn } => commit_lsn,
+        };
+        if Some(boundary) == last_boundary && through < committed {
+            current += EVERY;
+            longest = longest.max(current);
+        } else {
+            current = Duration::ZERO;
+        }
+        last_boundary = Some(boundary);
+    }
+    longest
+}
+
 /// The operator: grants and revokes team scopes.
 async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
@@ -865,6 +915,7 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
+    let stalls = database.spawn(capture_stalls(store.clone(), stop.clone()));
     let mut tasks = Vec::new();
     for i in 0..scenario.clients {
         let user = format!("user-{}", i % scenario.users);
@@ -908,6 +959,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     stop.store(true, Ordering::Relaxed);
     app.await.map_err(|e| format!("application failed: {e}"))?;
     ops.await.map_err(|e| format!("operator failed: {e}"))?;
+    trace.lock().expect("trace").longest_capture_stall = stalls
+        .await
+        .map_err(|e| format!("stall sampler failed: {e}"))?;
     NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     for c in &mut clients {

@@ -44,10 +44,10 @@ const ANSWER_TIMEOUT: Duration = Duration::from_millis(300);
 /// lost; each waits a share of `ANSWER_TIMEOUT`. A database connection is a
 /// reliable stream: a lost datagram costs latency, not the transaction.
 const TX_TRANSMISSIONS: u32 = 3;
-/// The chance that a database connection dies at an operation: the
+/// The chance that a database connection is closed at an operation: the
 /// operation may or may not have run, and no answer comes (at a commit,
-/// a commit-unknown result). The transaction is rolled back by the
-/// database once its owner stays silent.
+/// a commit-unknown result). The database rolls the rest back at once; a
+/// crashed server's transactions wait for the idle timeout.
 const CONNECTION_DROP: f64 = 0.005;
 /// How long the database keeps a silent transaction open. A live owner sends
 /// its next operation within one round trip; an owner that gave up (after
@@ -649,7 +649,10 @@ impl Store for RemoteStore {
         ep.send_to_raw(db, DB_REQUEST, Box::new(Request::FeedOpen { id }))
             .await
             .map_err(|_| lost())?;
-        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+        // Opening a replication connection takes longer than one statement
+        // (here: the store's lock, which its transactions hold).
+        let opened = answer_within(&ep, id, 0, ANSWER_TIMEOUT * FEED_TRANSMISSIONS as u32).await;
+        match opened?.ok_or_else(lost)? {
             Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed {
                 ep,
                 id,
@@ -715,14 +718,22 @@ impl RemoteTx {
             op,
         };
         if thread_rng().gen_bool(CONNECTION_DROP) {
-            // The connection dies with the operation in flight, or before it.
+            // The connection is closed with the operation in flight, or
+            // before it: the database runs what reached it (a commit
+            // included), then sees the close and rolls back the rest.
             if thread_rng().gen_bool(0.5) {
                 let _ = self
                     .ep
                     .send_to_raw(db, DB_REQUEST, Box::new(request(op)))
                     .await;
             }
-            self.finished = true; // nothing more reaches the database
+            let close = Request::Op {
+                id: self.id,
+                seq: self.seq + 1,
+                op: Op::Rollback,
+            };
+            let _ = self.ep.send_to_raw(db, DB_REQUEST, Box::new(close)).await;
+            self.finished = true;
             sleep(ANSWER_TIMEOUT).await;
             return Err(lost());
         }

@@ -29,7 +29,7 @@ async fn pull_under_faults() {
         trace.violations[0]
     );
     eprintln!(
-        "pages {} changes {} rebuild pages {} restarts {} replays {} reconnects {} damages {} caught {} retries {} capture_pending {} unavailable {} crashes {} (at {:?}) elapsed {:?}",
+        "pages {} changes {} rebuild pages {} restarts {} replays {} reconnects {} damages {} caught {} retries {} capture_pending {} unavailable {} crashes {} (at {:?}) longest capture stall {:?} elapsed {:?}",
         trace.pages,
         trace.changes,
         trace.rebuild_pages,
@@ -43,6 +43,7 @@ async fn pull_under_faults() {
         trace.unavailable,
         trace.crashes,
         trace.tripped,
+        trace.longest_capture_stall,
         madsim::time::TimeHandle::current().elapsed()
     );
     assert!(trace.crashes >= 1, "the server crashed\n{reproduce}");
@@ -70,7 +71,11 @@ async fn caught(mutant: Mutant, test: &str) {
         Ok(t) => t,
         Err(e) => panic!("{e}\n{reproduce}"),
     };
-    assert!(trace.mutated, "{mutant:?} never fired\n{reproduce}");
+    assert!(
+        trace.mutated,
+        "{mutant:?} never fired ({} pages, {} changes, {} rebuild pages, longest capture stall {:?})\n{reproduce}",
+        trace.pages, trace.changes, trace.rebuild_pages, trace.longest_capture_stall
+    );
     assert!(
         !trace.violations.is_empty(),
         "{mutant:?} was not caught\n{reproduce}"

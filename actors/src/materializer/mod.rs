@@ -170,6 +170,42 @@ async fn block_installation<S: Store>(
     Ok(())
 }
 
+/// Attempts of one group's transaction on one feed, at most.
+const GROUP_ATTEMPTS: usize = 3;
+
+/// One group's database transaction: its materialization (or quarantine)
+/// and the heartbeat that reports on it. The outcome and the lag after it.
+async fn commit_group<S: Store>(
+    store: &S,
+    model: &Model,
+    group: &[crate::capture::SourceTransaction],
+    durable_end: Lsn,
+    drained: bool,
+    source_end: Lsn,
+) -> Result<(step::GroupOutcome, u64), StoreError> {
+    let mut tx = store.begin().await?;
+    let outcome = step::materialize_group(&mut tx, model, group).await?;
+    if let Some(m) = &outcome.combined {
+        tx.materialize(m).await?;
+    }
+    if let Some((commit_lsn, problem)) = &outcome.problem {
+        tx.quarantine(&Quarantine {
+            commit_lsn: *commit_lsn,
+            problem: problem.clone(),
+        })
+        .await?;
+    }
+    let end = outcome.combined.as_ref().map_or(durable_end, |m| m.end_lsn);
+    let lag = source_end.saturating_sub(end);
+    tx.record_heartbeat(&Heartbeat {
+        caught_up: drained,
+        lag_bytes: lag,
+    })
+    .await?;
+    tx.commit().await?;
+    Ok((outcome, lag))
+}
+
 /// Materializes from `feed` until the store fails or a transaction is quarantined.
 async fn lead<S: Store>(
     store: &S,
@@ -254,27 +290,29 @@ async fn lead<S: Store>(
             group.windows(2).all(|w| w[0].end_lsn <= w[1].commit_lsn),
             "a group holds whole transactions in commit order"
         );
-        let mut tx = store.begin().await?;
-        let outcome = step::materialize_group(&mut tx, model, &group).await?;
-        if let Some(m) = &outcome.combined {
-            tx.materialize(m).await?;
-        }
-        if let Some((commit_lsn, problem)) = &outcome.problem {
-            tx.quarantine(&Quarantine {
-                commit_lsn: *commit_lsn,
-                problem: problem.clone(),
-            })
-            .await?;
-        }
-        // The heartbeat goes with the group it reports on.
-        let end = outcome.combined.as_ref().map_or(durable_end, |m| m.end_lsn);
-        let lag = feed.source_end().saturating_sub(end);
-        tx.record_heartbeat(&Heartbeat {
-            caught_up: drained,
-            lag_bytes: lag,
-        })
-        .await?;
-        tx.commit().await?;
+        // A transient failure retries the group on the same feed, once
+        // durable progress shows it did not commit; anything else (or a
+        // commit whose answer was lost) reopens the feed from durable progress.
+        let mut attempts = 1;
+        let (outcome, lag) = loop {
+            let source_end = feed.source_end();
+            let failure =
+                match commit_group(store, model, &group, durable_end, drained, source_end).await {
+                    Ok(done) => break done,
+                    Err(e) => e,
+                };
+            if !matches!(failure, StoreError::Unavailable(_)) || attempts == GROUP_ATTEMPTS {
+                return Err(failure);
+            }
+            attempts += 1;
+            sleep(limits.retry).await;
+            let mut tx = store.begin().await?;
+            let p = tx.capture_progress().await?;
+            drop(tx);
+            if p.end_lsn != durable_end {
+                return Err(failure);
+            }
+        };
         if let Some(m) = &outcome.combined {
             assert!(m.end_lsn > durable_end, "progress only moves forward");
             assert!(

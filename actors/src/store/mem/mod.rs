@@ -55,6 +55,9 @@ pub struct MemStore {
     log_len: Arc<watch::Sender<usize>>,
     /// Held by the one open feed (the capture leader), like PgStore's advisory lock.
     leader: Arc<AtomicBool>,
+    /// The slot was lost: read without the state lock, as PostgreSQL's
+    /// catalog is read without waiting on row locks.
+    slot_lost: Arc<AtomicBool>,
     /// Commits of transactions that wrote checkpoints still to fail
     /// (a fault a test injects between a pull's writes and its commit).
     failing_checkpoint_commits: Arc<AtomicUsize>,
@@ -89,6 +92,7 @@ impl MemStore {
                 rebuilds: rebuild::Rebuilds::default(),
             })),
             log_len: Arc::new(watch::channel(0).0),
+            slot_lost: Arc::new(AtomicBool::new(false)),
             leader: Arc::new(AtomicBool::new(false)),
             failing_checkpoint_commits: Arc::new(AtomicUsize::new(0)),
         }
@@ -117,6 +121,7 @@ impl MemStore {
         let mut state = self.state.lock().await;
         state.capture.slot_lost = true;
         state.capture.lose_log();
+        self.slot_lost.store(true, Ordering::Release);
     }
 
     /// Fault injection for a planted bug: the slot's unacknowledged WAL is
@@ -252,12 +257,12 @@ impl Store for MemStore {
 
     async fn check_capture(&self) -> Result<Option<CaptureProblem>, StoreError> {
         // MemStore has no DDL: what it installed cannot drift. Its slot can be lost.
-        let lost = self.state.lock().await.capture.slot_lost;
+        let lost = self.slot_lost.load(Ordering::Acquire);
         Ok(lost.then_some(CaptureProblem::SlotLost))
     }
 
     async fn change_feed(&self) -> Result<Option<MemFeed>, StoreError> {
-        if self.state.lock().await.capture.slot_lost {
+        if self.slot_lost.load(Ordering::Acquire) {
             return Err(StoreError::Unavailable(
                 "the replication slot does not exist".into(),
             ));
