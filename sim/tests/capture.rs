@@ -20,13 +20,29 @@ fn judged(trace: &sim::capture::CaptureTrace) -> Result<(), Vec<String>> {
         .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))
 }
 
+/// Runs `scenario`; a run that could not finish fails the test.
+async fn run(scenario: CaptureScenario, reproduce: &str) -> sim::capture::CaptureTrace {
+    match run_capture(scenario).await {
+        Ok(t) => t,
+        Err(e) => panic!("{e}\n{reproduce}"),
+    }
+}
+
+/// Fails the test with the first violation of the capture invariants.
+fn assert_judged(trace: &sim::capture::CaptureTrace, reproduce: &str) {
+    if let Err(v) = judged(trace) {
+        panic!(
+            "{} capture violation(s), first: {}\n{reproduce}",
+            v.len(),
+            v[0]
+        );
+    }
+}
+
 #[madsim::test]
 async fn capture_under_faults() {
     let reproduce = reproduce("capture_under_faults");
-    let trace = match run_capture(CaptureScenario::default()).await {
-        Ok(t) => t,
-        Err(e) => panic!("{e}\n{reproduce}"),
-    };
+    let trace = run(CaptureScenario::default(), &reproduce).await;
     eprintln!(
         "stats: commits {} effects {} projections {} crashes {} redeliveries {} elapsed {:?}",
         trace.history.len(),
@@ -39,13 +55,7 @@ async fn capture_under_faults() {
     assert!(trace.crashes >= 1, "the materializer crashed\n{reproduce}");
     assert!(!trace.effects.is_empty());
     assert!(!trace.members.is_empty(), "the membership index was read");
-    if let Err(v) = judged(&trace) {
-        panic!(
-            "{} capture violation(s), first: {}\n{reproduce}",
-            v.len(),
-            v[0]
-        );
-    }
+    assert_judged(&trace, &reproduce);
 }
 
 /// The slot is dropped mid-run: capture blocks, and what it materialized is
@@ -58,10 +68,7 @@ async fn a_lost_slot_blocks_capture() {
         slot_loss: Some(SlotLoss::Dropped),
         ..CaptureScenario::default()
     };
-    let trace = match run_capture(scenario).await {
-        Ok(t) => t,
-        Err(e) => panic!("{e}\n{reproduce}"),
-    };
+    let trace = run(scenario, &reproduce).await;
     let lost_after = trace.slot_lost_after.expect("the slot was lost");
     eprintln!(
         "stats: materialized {} commits, the slot lost after {lost_after}, crashes {}",
@@ -71,13 +78,7 @@ async fn a_lost_slot_blocks_capture() {
         trace.history.iter().all(|c| c.commit_lsn <= lost_after),
         "a commit after the loss was materialized\n{reproduce}"
     );
-    if let Err(v) = judged(&trace) {
-        panic!(
-            "{} capture violation(s), first: {}\n{reproduce}",
-            v.len(),
-            v[0]
-        );
-    }
+    assert_judged(&trace, &reproduce);
 }
 
 /// A planted bug: capture goes on from a new slot after the loss, so the
@@ -89,10 +90,7 @@ async fn a_slot_recreated_silently_is_caught() {
         slot_loss: Some(SlotLoss::SilentlyRecreated),
         ..CaptureScenario::default()
     };
-    let trace = match run_capture(scenario).await {
-        Ok(t) => t,
-        Err(e) => panic!("{e}\n{reproduce}"),
-    };
+    let trace = run(scenario, &reproduce).await;
     assert!(
         judged(&trace).is_err(),
         "the skipped commits went unnoticed\n{reproduce}"
