@@ -573,6 +573,28 @@ impl<S: Store> PullClient<S> {
         let b = json::parse(&self.body(1)).unwrap();
         b.as_object().unwrap()["schema"].clone()
     }
+
+    /// This client pushes batch `batch` inserting note `note` (through the
+    /// node's engine); the status and outcome body.
+    pub async fn push_note(&self, batch: u64, note: u64) -> (u16, Value) {
+        let pusher = PushClient {
+            engine: self.node.engine.clone(),
+            user: self.user.clone(),
+            client_id: self.client_id.clone(),
+            generation: self.generation,
+            schema: self.replica_schema(),
+        };
+        let m = note_mutation(
+            1,
+            &pull_note(note),
+            &pusher.schema,
+            "insert",
+            None,
+            Some(super::push::note_columns("pushed")),
+        );
+        let (status, body, _) = pusher.push(&pusher.batch(batch, vec![m], false)).await;
+        (status, body)
+    }
 }
 
 trait IntoParts {
@@ -802,23 +824,7 @@ async fn capture_gates<W: CaptureWorld>(world: &W, node: &Node, feed: <W::S as S
     let store = world.store();
     let mut c = PullClient::connect(store, node, "cg-u", "cg-c").await;
     c.sync(10).await;
-    let pusher = PushClient {
-        engine: node.engine.clone(),
-        user: "cg-u".into(),
-        client_id: "cg-c".into(),
-        generation: c.generation,
-        schema: c.replica_schema(),
-    };
-    let n = pull_note(30);
-    let m = note_mutation(
-        1,
-        &n,
-        &pusher.schema,
-        "insert",
-        None,
-        Some(super::push::note_columns("pushed")),
-    );
-    let (s, r, _) = pusher.push(&pusher.batch(9001, vec![m], false)).await;
+    let (s, r) = c.push_note(9001, 30).await;
     assert_eq!(s, 200, "{r:?}");
     assert!(super::push::outcome(&r, 1).0, "{r:?}");
     world.grant("cg-u", "team:cg", true).await;

@@ -16,7 +16,7 @@ use protocol::value::TypedValue;
 
 use super::capture::settle;
 use super::pull::{PullClient, edit, note_row, pull_note};
-use super::push::{PushClient, note_mutation, push_config};
+use super::push::push_config;
 use super::transport::{Node, Route, Serve, Transport};
 use super::{CaptureWorld, Write};
 use crate::Engine;
@@ -689,22 +689,7 @@ async fn stale_sessions<W: CaptureWorld>(world: &W, node: &Node) {
     // A push by the same client: its accepted-write epoch moved on.
     let (mut a, first) = start(&mut c, node, scope).await;
     c.replica.apply_rebuild(&mut a, &first).unwrap();
-    let pusher = PushClient {
-        engine: node.engine.clone(),
-        user: "st-u".into(),
-        client_id: "st-c".into(),
-        generation: c.generation,
-        schema: c.replica_schema(),
-    };
-    let m = note_mutation(
-        1,
-        &pull_note(490),
-        &pusher.schema,
-        "insert",
-        None,
-        Some(super::push::note_columns("pushed")),
-    );
-    let (status, body, _) = pusher.push(&pusher.batch(9101, vec![m], false)).await;
+    let (status, body) = c.push_note(9101, 490).await;
     assert_eq!(status, 200, "{body:?}");
     // Stale (step 7) before capture_pending (step 9): at once.
     let r = node

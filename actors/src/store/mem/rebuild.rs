@@ -96,6 +96,19 @@ impl MemTx {
         from: u64,
         max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
+        Ok(self
+            .stage_from(session_id, from, max)?
+            .map(|r| (r.identity.clone(), r.digest))
+            .collect())
+    }
+
+    /// At most `max` staged rows of `session_id` from ordinal `from`.
+    fn stage_from(
+        &self,
+        session_id: &CanonicalUuid,
+        from: u64,
+        max: usize,
+    ) -> Result<impl Iterator<Item = &StagedRow>, StoreError> {
         let h = self
             .work
             .rebuilds
@@ -103,12 +116,7 @@ impl MemTx {
             .get(session_id)
             .ok_or_else(missing)?;
         let from = usize::try_from(from).unwrap_or(usize::MAX);
-        Ok(h.stage
-            .iter()
-            .skip(from)
-            .take(max)
-            .map(|r| (r.identity.clone(), r.digest))
-            .collect())
+        Ok(h.stage.iter().skip(from).take(max))
     }
 
     pub(super) fn seal_rebuild_session(
@@ -132,14 +140,7 @@ impl MemTx {
         from: u64,
         max: usize,
     ) -> Result<Vec<StagedRow>, StoreError> {
-        let h = self
-            .work
-            .rebuilds
-            .sessions
-            .get(session_id)
-            .ok_or_else(missing)?;
-        let from = usize::try_from(from).unwrap_or(usize::MAX);
-        Ok(h.stage.iter().skip(from).take(max).cloned().collect())
+        Ok(self.stage_from(session_id, from, max)?.cloned().collect())
     }
 
     pub(super) fn rebuild_page(&self, session_id: &CanonicalUuid, ordinal: u64) -> Option<Vec<u8>> {
