@@ -40,3 +40,11 @@ async fn a_lost_slot_blocks_capture() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn existing_rows_arrive_as_the_baseline() {
+    actors::testkit::baseline_adopts_existing_rows(&Mem {
+        store: actors::testkit::example_mem_store(6).await,
+    })
+    .await;
+}

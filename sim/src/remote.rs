@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actors::capture::{
-    CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
-    Heartbeat, Lsn, Materialization, Projection, Quarantine, SourceTransaction,
+    Baseline, CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
+    DependencyRow, Effect, Heartbeat, Lsn, Materialization, Projection, Quarantine,
+    SourceTransaction,
 };
 use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
@@ -75,6 +76,7 @@ enum Op {
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
+    CompleteBaseline(Vec<u64>),
     ScopeEffects(ScopeId, StreamPosition, Boundary),
     StreamState,
     MembershipRules,
@@ -138,8 +140,8 @@ enum Answer {
     WrittenAll(Result<Option<Vec<WriteResult>>, StoreError>),
     Refusal(Result<Option<Refusal>, StoreError>),
     Check(Result<Option<CaptureProblem>, StoreError>),
-    /// A feed: opened (leader) or refused (standby).
-    Feed(Result<Option<Box<SourceTransaction>>, StoreError>),
+    /// A feed: opened (leader), with the baseline it owes, or refused (standby).
+    Feed(Result<Option<Option<Baseline>>, StoreError>),
     /// The next transaction if one came, and the feed's source end.
     FeedNext(Result<(Option<Box<SourceTransaction>>, Lsn), StoreError>),
 }
@@ -149,6 +151,7 @@ enum Answer {
 enum FeedOp {
     /// The next transaction, if one completes within this wait (at most `FEED_POLL`).
     Next(Duration),
+    BaselineChunk,
     Acknowledge(Lsn),
 }
 
@@ -309,15 +312,8 @@ async fn serve_feed(
         Ok(None) => return reply(&ep, owner, id, 0, Answer::Feed(Ok(None))).await,
         Err(e) => return reply(&ep, owner, id, 0, Answer::Feed(Err(e))).await,
     };
-    // Any transaction answers "opened"; its content is not used.
-    let opened = SourceTransaction {
-        commit_lsn: 0,
-        end_lsn: 0,
-        events: Vec::new(),
-        notes: Vec::new(),
-        problem: None,
-    };
-    reply(&ep, owner, id, 0, Answer::Feed(Ok(Some(Box::new(opened))))).await;
+    let opened = feed.baseline().cloned();
+    reply(&ep, owner, id, 0, Answer::Feed(Ok(Some(opened)))).await;
     // A replication connection is a reliable stream: a lost datagram is sent
     // again with its sequence number, and answered again from this copy.
     let mut last: Option<(u64, FeedAnswer)> = None;
@@ -336,6 +332,10 @@ async fn serve_feed(
         }
         let answer = match op {
             FeedOp::Next(wait) => match feed.next(wait.min(FEED_POLL)).await {
+                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end()))),
+                Err(e) => FeedAnswer::Next(Err(e)),
+            },
+            FeedOp::BaselineChunk => match feed.baseline_chunk().await {
                 Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end()))),
                 Err(e) => FeedAnswer::Next(Err(e)),
             },
@@ -439,6 +439,7 @@ async fn transaction(
             ),
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
+            Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
             Op::ScopeEffects(scope, after, through) => (
                 Answer::Effects(tx.scope_effects(&scope, after, through).await),
                 false,
@@ -653,11 +654,12 @@ impl Store for RemoteStore {
         // (here: the store's lock, which its transactions hold).
         let opened = answer_within(&ep, id, 0, ANSWER_TIMEOUT * FEED_TRANSMISSIONS as u32).await;
         match opened?.ok_or_else(lost)? {
-            Answer::Feed(Ok(Some(_))) => Ok(Some(RemoteFeed {
+            Answer::Feed(Ok(Some(baseline))) => Ok(Some(RemoteFeed {
                 ep,
                 id,
                 seq: 0,
                 source_end: 0,
+                baseline,
             })),
             Answer::Feed(Ok(None)) => Ok(None),
             Answer::Feed(Err(e)) => Err(e),
@@ -771,6 +773,7 @@ pub struct RemoteFeed {
     id: u64,
     seq: u64,
     source_end: Lsn,
+    baseline: Option<Baseline>,
 }
 
 impl RemoteFeed {
@@ -800,6 +803,17 @@ impl RemoteFeed {
 }
 
 impl ChangeFeed for RemoteFeed {
+    fn baseline(&self) -> Option<&Baseline> {
+        self.baseline.as_ref()
+    }
+
+    async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {
+        match self.call(FeedOp::BaselineChunk).await? {
+            Answer::FeedNext(r) => Ok(r?.0.map(|t| *t)),
+            _ => Err(mismatch()),
+        }
+    }
+
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
         let deadline = Instant::now() + wait;
         loop {
@@ -986,6 +1000,11 @@ impl StoreTx for RemoteTx {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
+    }
+
+    async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
+        self.unit(Op::CompleteBaseline(covered_fences.to_vec()))
+            .await
     }
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {

@@ -6,14 +6,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use actors::capture::{
-    CapturePlan, CaptureProblem, ChangeFeed, ChangeKind, Lsn, SourceEvent, SourceImage,
+    Baseline, CapturePlan, CaptureProblem, ChangeFeed, ChangeKind, Lsn, SourceEvent, SourceImage,
     SourceTransaction, VersionNote,
 };
 use actors::store::StoreError;
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{Connection, Executor, Row};
+use tokio::sync::mpsc;
 
+use crate::baseline;
 use crate::pgoutput::{self, Message, TupleValue};
 use crate::{PgStore, db_error};
 
@@ -69,7 +71,7 @@ impl FeedTarget {
     }
 }
 
-fn quote_relation(relation: &str) -> String {
+pub(crate) fn quote_relation(relation: &str) -> String {
     relation
         .split('.')
         .map(|p| format!("\"{}\"", p.replace('"', "\"\"")))
@@ -77,7 +79,7 @@ fn quote_relation(relation: &str) -> String {
         .join(".")
 }
 
-fn literal(s: &str) -> String {
+pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
@@ -175,54 +177,106 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
     };
     tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
     tx.commit().await.map_err(db_error)?;
-
-    create_slot(store).await?;
+    // The slot is created by the first feed, with the baseline (ADR 0011).
     verify(store, plan).await
 }
 
-/// Creates the stream's slot the first time capture is installed, and
-/// records it. Once recorded, a missing slot is never created again: that
-/// would silently skip every commit since it was lost (`check` reports it).
-async fn create_slot(store: &PgStore) -> Result<(), StoreError> {
-    let slot = store.feed_target.slot();
-    let recorded: Option<String> = sqlx::query_scalar("SELECT slot_name FROM synchro.capture_slot")
+/// The stream's slot as recorded: where its stream began, and whether its
+/// baseline is materialized (until then it is a candidate).
+struct SlotRecord {
+    baseline_done: bool,
+}
+
+async fn slot_record(store: &PgStore) -> Result<Option<SlotRecord>, StoreError> {
+    let done: Option<bool> = sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
         .fetch_optional(&store.pool)
         .await
         .map_err(db_error)?;
-    if recorded.is_some() {
-        return Ok(());
-    }
-    let existing: Option<i64> = sqlx::query_scalar(
-        "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
-         WHERE slot_name = $1 AND plugin = 'pgoutput' AND database = current_database()",
+    Ok(done.map(|baseline_done| SlotRecord { baseline_done }))
+}
+
+/// Whether a slot of the stream's name exists in this database.
+async fn slot_exists(store: &PgStore, slot: &str) -> Result<bool, StoreError> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 \
+         AND database = current_database())",
     )
-    .bind(&slot)
-    .fetch_optional(&store.pool)
+    .bind(slot)
+    .fetch_one(&store.pool)
     .await
-    .map_err(db_error)?;
-    let consistent = match existing {
-        // Installed before slots were recorded: this slot is the stream's.
-        Some(lsn) => lsn,
-        // A slot cannot be created in a transaction that wrote: its own statement.
-        None => sqlx::query_scalar(
-            "SELECT (lsn - '0/0'::pg_lsn)::bigint \
-             FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-        )
-        .bind(&slot)
-        .fetch_one(&store.pool)
-        .await
-        .map_err(db_error)?,
-    };
-    sqlx::query(
-        "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn) VALUES ($1, $2) \
-         ON CONFLICT DO NOTHING",
+    .map_err(db_error)
+}
+
+/// A slot created before slots were recorded began with the stream: it is
+/// recorded as the stream's, with no baseline owed.
+async fn adopt_unrecorded_slot(store: &PgStore, slot: &str) -> Result<bool, StoreError> {
+    let adopted = sqlx::query(
+        "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn, baseline_done) \
+         SELECT slot_name, (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, true \
+         FROM pg_replication_slots WHERE slot_name = $1 AND plugin = 'pgoutput' \
+         AND database = current_database() ON CONFLICT DO NOTHING",
     )
-    .bind(&slot)
-    .bind(consistent)
+    .bind(slot)
     .execute(&store.pool)
     .await
     .map_err(db_error)?;
-    Ok(())
+    Ok(adopted.rows_affected() == 1)
+}
+
+/// Creates the stream's slot on `client` (a gated replication session)
+/// with an exported snapshot, after recording it as a candidate: a crash
+/// before its baseline commits leaves a candidate that the next feed drops
+/// and creates again, never an unrecorded slot. The snapshot's name and
+/// the slot's consistent point; the session must run nothing else until
+/// the snapshot is imported.
+async fn create_candidate_slot(
+    store: &PgStore,
+    client: &mut ReplicationClient,
+    slot: &str,
+) -> Result<(String, Lsn), StoreError> {
+    sqlx::query(
+        "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn, baseline_done) \
+         VALUES ($1, 0, false) ON CONFLICT (singleton) DO UPDATE \
+         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0 \
+         WHERE NOT synchro.capture_slot.baseline_done",
+    )
+    .bind(slot)
+    .execute(&store.pool)
+    .await
+    .map_err(db_error)?;
+    if slot_exists(store, slot).await? {
+        // A candidate whose baseline never committed: nothing came from it.
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(slot)
+            .execute(&store.pool)
+            .await
+            .map_err(db_error)?;
+    }
+    let unavailable = |e: pgwire_replication::PgWireError| {
+        StoreError::Unavailable(format!("creating the slot: {e}"))
+    };
+    let rows = client
+        .simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput (SNAPSHOT 'export')"
+        ))
+        .await
+        .map_err(unavailable)?;
+    let text = |i: usize| -> Result<String, StoreError> {
+        rows.first()
+            .and_then(|r| r.get(i).cloned().flatten())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .ok_or_else(|| StoreError::Integrity("CREATE_REPLICATION_SLOT answered no row".into()))
+    };
+    let consistent = pgwire_replication::Lsn::parse(&text(1)?)
+        .map_err(|_| StoreError::Integrity("the slot's consistent point is not an LSN".into()))?
+        .as_u64();
+    let snapshot = text(2)?;
+    sqlx::query("UPDATE synchro.capture_slot SET consistent_lsn = $1")
+        .bind(crate::materialized::to_i64(consistent)?)
+        .execute(&store.pool)
+        .await
+        .map_err(db_error)?;
+    Ok((snapshot, consistent))
 }
 
 /// Checks that everything capture needs is in place. A lost slot does not
@@ -299,13 +353,14 @@ async fn slot_lost(store: &PgStore) -> Result<bool, StoreError> {
          r.consistent_lsn, p.end_lsn \
          FROM synchro.capture_slot r CROSS JOIN synchro.capture_progress p \
          LEFT JOIN pg_replication_slots s ON s.slot_name = r.slot_name \
-         AND s.plugin = 'pgoutput' AND s.database = current_database()",
+         AND s.plugin = 'pgoutput' AND s.database = current_database() \
+         WHERE r.baseline_done",
     )
     .fetch_optional(&store.pool)
     .await
     .map_err(db_error)?;
     let Some((confirmed, wal_status, consistent, materialized)) = row else {
-        return Ok(false); // not created yet: installation creates it
+        return Ok(false); // none yet, or a candidate: the next feed creates it
     };
     Ok(match confirmed {
         None => true,
@@ -324,6 +379,11 @@ struct RelationInfo {
 /// The feed: a replication stream plus the connection holding leadership.
 pub struct PgFeed {
     client: ReplicationClient,
+    /// Whether START_REPLICATION was sent (after the baseline, if one is owed).
+    started: bool,
+    baseline: Option<Baseline>,
+    /// The baseline's chunks, read in the background under its snapshot.
+    chunks: Option<mpsc::Receiver<Result<SourceTransaction, StoreError>>>,
     /// Holds the session advisory lock; capture leadership ends with it.
     _leader: PgConnection,
     relations: BTreeMap<u32, RelationInfo>,
@@ -380,11 +440,37 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
     .with_options(SESSION_OPTIONS)
     .with_status_interval(Duration::from_millis(200))
     .with_application_name("synchro-capture");
-    let client = ReplicationClient::connect(config)
-        .await
-        .map_err(|e| StoreError::Unavailable(format!("replication connection failed: {e}")))?;
+    let connect_failed = |e: pgwire_replication::PgWireError| {
+        StoreError::Unavailable(format!("replication connection failed: {e}"))
+    };
+    let slot = t.slot();
+    let owed = match slot_record(store).await? {
+        Some(r) => !r.baseline_done,
+        None => !adopt_unrecorded_slot(store, &slot).await?,
+    };
+    let (client, reader) = if owed {
+        let mut client = ReplicationClient::connect_gated(config)
+            .await
+            .map_err(connect_failed)?;
+        let (snapshot, consistent) = create_candidate_slot(store, &mut client, &slot).await?;
+        let reader =
+            baseline::start(&store.options, &store.pool, &plan, &snapshot, consistent).await?;
+        (client, Some(reader))
+    } else {
+        let client = ReplicationClient::connect(config)
+            .await
+            .map_err(connect_failed)?;
+        (client, None)
+    };
+    let (baseline, chunks) = match reader {
+        Some(r) => (Some(r.baseline), Some(r.chunks)),
+        None => (None, None),
+    };
     Ok(Some(PgFeed {
         client,
+        started: baseline.is_none(),
+        baseline,
+        chunks,
         _leader: leader,
         relations: BTreeMap::new(),
         open: None,
@@ -525,7 +611,33 @@ impl PgFeed {
 }
 
 impl ChangeFeed for PgFeed {
+    fn baseline(&self) -> Option<&Baseline> {
+        self.baseline.as_ref()
+    }
+
+    async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {
+        let Some(chunks) = self.chunks.as_mut() else {
+            return Ok(None);
+        };
+        match chunks.recv().await {
+            Some(chunk) => chunk.map(Some),
+            None => {
+                self.chunks = None;
+                Ok(None)
+            }
+        }
+    }
+
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
+        if !self.started {
+            // The stream begins at the slot's consistent point, after the baseline.
+            let failed = |e: pgwire_replication::PgWireError| {
+                StoreError::Unavailable(format!("replication failed to start: {e}"))
+            };
+            self.client.start().await.map_err(failed)?;
+            self.client.wait_started().await.map_err(failed)?;
+            self.started = true;
+        }
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             // `recv` is cancel-safe: an event is either returned or left queued.

@@ -7,6 +7,7 @@
 #![cfg(not(madsim))]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
 
+mod baseline;
 pub mod capture;
 pub mod catalog;
 pub mod cluster;
@@ -424,6 +425,10 @@ impl StoreTx for PgTx {
 
     async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
         self.write_materialization(m).await
+    }
+
+    async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
+        self.write_baseline_done(covered_fences).await
     }
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {

@@ -605,6 +605,39 @@ impl PgTx {
         Ok(())
     }
 
+    pub(crate) async fn write_baseline_done(
+        &mut self,
+        covered_fences: &[u64],
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(
+            "UPDATE synchro.capture_slot SET baseline_done = true WHERE NOT baseline_done",
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if done.rows_affected() != 1 {
+            return Err(StoreError::Integrity(
+                "no baseline is owed: the stream's slot is not a candidate".into(),
+            ));
+        }
+        let fences = covered_fences
+            .iter()
+            .map(|f| to_i64(*f))
+            .collect::<Result<Vec<_>, _>>()?;
+        sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
+            .bind(fences)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        sqlx::query(
+            "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+
     pub(crate) async fn write_quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         sqlx::query(
             "UPDATE synchro.capture_progress SET quarantine_lsn = $1, quarantine_class = $2",

@@ -267,3 +267,14 @@ async fn a_lost_slot_blocks_capture_on_postgres() {
         "a replaced slot is not the stream's"
     );
 }
+
+/// The shared baseline suite on PostgreSQL: the slot is created with an
+/// exported snapshot and the existing rows are read under it.
+#[tokio::test]
+async fn existing_rows_arrive_as_the_baseline_on_postgres() {
+    let cluster = PgCluster::temp().unwrap();
+    let world = Pg {
+        store: example_store(&cluster, "baseline").await,
+    };
+    actors::testkit::baseline_adopts_existing_rows(&world).await;
+}

@@ -160,8 +160,47 @@ pub struct SourceTransaction {
     pub problem: Option<CaptureProblem>,
 }
 
+/// What a feed owes before its stream: the captured rows that existed when
+/// the stream's slot was created, read under the slot's own snapshot (ADR 0011).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Baseline {
+    /// Rows in the baseline, over every captured relation.
+    pub rows: u64,
+    /// Fences of client writes that the snapshot already holds: the
+    /// baseline satisfies them, as materializing their transactions would.
+    pub covered_fences: Vec<u64>,
+}
+
+/// At most this many rows in one baseline chunk.
+pub const BASELINE_CHUNK_ROWS: usize = 1024;
+
+/// The chunks a baseline of `rows` rows is read in.
+pub fn baseline_chunks(rows: u64) -> u64 {
+    rows.div_ceil(BASELINE_CHUNK_ROWS as u64)
+}
+
+/// The commit and end positions of chunk `index` of `chunks`, just below
+/// `consistent` (where the slot's stream begins): in order, each chunk's
+/// end before the next one's commit, and all before the stream's first
+/// transaction. `None` when they do not fit below it.
+pub fn baseline_position(consistent: Lsn, chunks: u64, index: u64) -> Option<(Lsn, Lsn)> {
+    assert!(index < chunks, "a chunk of the baseline");
+    let commit = consistent.checked_sub(2 * (chunks - index))?;
+    (commit > 0).then_some((commit, commit + 1))
+}
+
 /// Committed source transactions in commit order, at least once.
 pub trait ChangeFeed: Send {
+    /// The baseline this feed delivers before its first transaction, if
+    /// one is owed (the stream is new, and nothing was materialized yet).
+    fn baseline(&self) -> Option<&Baseline>;
+    /// The baseline's next chunk: inserts of existing rows (dependency
+    /// relations first) with their version notes, at positions below the
+    /// stream's first transaction, at most [`BASELINE_CHUNK_ROWS`] rows;
+    /// `None` once every row was read.
+    fn baseline_chunk(
+        &mut self,
+    ) -> impl Future<Output = Result<Option<SourceTransaction>, StoreError>> + Send;
     /// The next transaction, or `None` if none completes within `wait`. A
     /// transaction partly received when `wait` ends is kept for the next
     /// call: no transaction is ever skipped.

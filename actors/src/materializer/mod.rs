@@ -11,6 +11,7 @@
 //! (no log-and-skip) and is retried from the same transaction every
 //! `retry`, so a repair lets it resume.
 
+mod baseline;
 mod model;
 mod step;
 
@@ -23,6 +24,7 @@ use tokio::time::{Instant, sleep};
 use crate::capture::{CaptureProblem, ChangeFeed, Heartbeat, Lsn, Quarantine};
 use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
+pub use baseline::BaselineProgress;
 pub(crate) use model::{Model, Table};
 
 /// What the materializer is doing, for readiness.
@@ -42,6 +44,8 @@ pub enum CaptureStatus {
         /// Source WAL known to the feed and not yet durable here.
         lag_bytes: u64,
     },
+    /// Materializing the baseline of the rows that existed before the stream.
+    Baseline(BaselineProgress),
     /// A quarantined transaction blocks capture.
     Blocked(CaptureProblem),
     /// The store or the feed failed; retrying.
@@ -229,6 +233,41 @@ async fn lead<S: Store>(
     let mut boundary = progress.boundary;
     let mut durable_end: Lsn = progress.end_lsn;
     let mut blocked = progress.quarantine.map(|q| q.problem);
+    if let Some(owed) = feed.baseline().cloned() {
+        assert!(
+            boundary == Boundary::GenerationStart,
+            "a baseline is owed only before the stream's first transaction"
+        );
+        match baseline::materialize(store, model, &mut feed, &owed, status).await? {
+            baseline::BaselineOutcome::Done {
+                boundary: after,
+                end_lsn,
+            } => {
+                boundary = after;
+                durable_end = end_lsn;
+                blocked = None; // completing the baseline clears its quarantine
+                feed.acknowledge(durable_end).await?;
+            }
+            baseline::BaselineOutcome::Quarantined {
+                commit_lsn,
+                problem,
+            } => {
+                let mut tx = store.begin().await?;
+                tx.quarantine(&Quarantine {
+                    commit_lsn,
+                    problem: problem.clone(),
+                })
+                .await?;
+                tx.commit().await?;
+                tracing::error!(
+                    class = problem.as_str(),
+                    "capture blocked: baseline quarantined"
+                );
+                status.send_replace(CaptureStatus::Blocked(problem));
+                return Ok(()); // the next feed takes the baseline again
+            }
+        }
+    }
     let mut caught_up = Instant::now();
     let running = |boundary: Boundary, caught_up: Instant, lag_bytes: u64| CaptureStatus::Running {
         heartbeat: Instant::now(),

@@ -230,6 +230,13 @@ pub trait StoreTx: Send {
         m: &Materialization,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The baseline is materialized (in this transaction): the stream's
+    /// slot is its own from now on, and `covered_fences` are satisfied.
+    fn complete_baseline(
+        &mut self,
+        covered_fences: &[u64],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Records the transaction that blocks capture.
     fn quarantine(&mut self, q: &Quarantine)
     -> impl Future<Output = Result<(), StoreError>> + Send;

@@ -99,7 +99,9 @@ impl CaptureWorld for MemWorld {
             }
         }
         tx.commit().await.unwrap();
-        before + 1
+        // The commit's own position (a baseline may have moved the log on).
+        let after = self.store.last_commit_lsn().await;
+        if after > before { after } else { before + 1 }
     }
 
     async fn grant(&self, user: &str, scope: &str, on: bool) {
@@ -488,6 +490,8 @@ pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
     let engine = Engine::start(store.clone(), fast_config(|s| s))
         .await
         .unwrap();
+    // The stream is open: the note is a transaction of it, not of the baseline.
+    ready_becomes(&engine, true, "capture runs").await;
     let long_owner = "x".repeat(600); // user:{owner_id} would exceed 512 octets
     let note = [
         ("id", Some(N1)),

@@ -29,7 +29,7 @@ pub use push::{
     version_of,
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
-pub use stream::slot_loss_blocks;
+pub use stream::{baseline_adopts_existing_rows, slot_loss_blocks};
 pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).
@@ -47,12 +47,26 @@ pub const EXAMPLE_COLUMN_TYPES: [(&str, &str, &str); 2] = [
     ("public.note_shares", "note_id", "uuid"),
 ];
 
-/// An empty MemStore whose source columns have the example schema's types.
+/// The example app's relations and their keys (a dependency relation's:
+/// the columns its rule reads), as the application creates them.
+pub const EXAMPLE_RELATIONS: [(&str, &[&str]); 3] = [
+    ("public.notes", &["id"]),
+    ("public.templates", &["id"]),
+    ("public.note_shares", &["note_id", "team_id"]),
+];
+
+/// An empty MemStore with the example app's relations, whose source
+/// columns have the example schema's types.
 pub async fn example_mem_store(seed: u64) -> crate::store::MemStore {
     let store = crate::store::MemStore::with_seed(seed);
     for (relation, column, ty) in EXAMPLE_COLUMN_TYPES {
         store.declare_column_type(relation, column, ty).await;
     }
+    let mut tx = crate::store::Store::begin(&store).await.unwrap();
+    for (relation, key) in EXAMPLE_RELATIONS {
+        tx.create_relation(relation, key);
+    }
+    crate::store::StoreTx::commit(tx).await.unwrap();
     store
 }
 

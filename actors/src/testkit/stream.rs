@@ -115,3 +115,112 @@ async fn not_materialized<S: Store>(store: &S, lsn: Lsn) {
         Some(CaptureProblem::SlotLost)
     );
 }
+
+/// Notes of user `bl-u` that exist before capture is installed.
+const EXISTING: u64 = 2_500;
+
+/// Rows that exist before capture is installed (no version, no
+/// projection) are the baseline (ADR 0011): a client that connects and
+/// rebuilds receives each exactly once with verified checksums, every row
+/// has exactly one effect (a write racing the baseline lands in it or in
+/// the stream, never both), later writes arrive by pull, and a push to a
+/// baseline row is judged against the version the baseline gave it. The
+/// world must be fresh and no engine may have started on it.
+pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let ids: Vec<String> = (0..EXISTING).map(|n| pull_note(10_000 + n)).collect();
+    let rows: Vec<_> = ids.iter().map(|id| note_row(id, "bl-u", "old")).collect();
+    let other = pull_note(20_000);
+    let other_row = note_row(&other, "bl-other", "old");
+    let mut writes: Vec<Write<'_>> = rows
+        .iter()
+        .map(|r| Write::Insert("public.notes", r))
+        .collect();
+    writes.push(Write::Insert("public.notes", &other_row));
+    world.write(&writes).await;
+
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    // Racing the baseline: in it, or in the stream after it.
+    let racing_id = pull_note(30_000);
+    let racing = world
+        .write(&[Write::Insert(
+            "public.notes",
+            &note_row(&racing_id, "bl-u", "racing"),
+        )])
+        .await;
+    progress_reaches(&store, racing).await;
+    ready_becomes(&engine, true, "capture runs after the baseline").await;
+    let node = Node::from(&engine);
+    let mut c = PullClient::connect(&store, &node, "bl-u", "bl-c").await;
+    c.sync(1000).await;
+    let scope = "user:bl-u";
+    assert_eq!(
+        c.replica.scopes[scope].rows.len() as u64,
+        EXISTING + 1,
+        "every existing row and the racing one, verified by checksum"
+    );
+    let mut tx = store.begin().await.unwrap();
+    let through = tx.capture_progress().await.unwrap().boundary;
+    let effects = tx
+        .scope_effects(
+            &protocol::ids::ScopeId::parse(scope).unwrap(),
+            protocol::position::StreamPosition::GenerationStart,
+            through,
+        )
+        .await
+        .unwrap();
+    drop(tx);
+    let mut per_row = std::collections::BTreeMap::new();
+    for e in &effects {
+        *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
+    }
+    assert_eq!(per_row.len() as u64, EXISTING + 1);
+    assert!(
+        per_row.values().all(|n| *n == 1),
+        "a row materialized twice"
+    );
+
+    // A later write to a baseline row arrives by pull.
+    let key = [("id", ids[0].as_str())];
+    let after = world
+        .write(&[Write::Update(
+            "public.notes",
+            &key,
+            &[("title", Some("new"))],
+        )])
+        .await;
+    progress_reaches(&store, after).await;
+    let applied = c.pull(1000).await;
+    assert_eq!(applied.changes, 1);
+
+    // A push to a baseline row is judged by the version the baseline gave it.
+    let pusher = super::push::PushClient {
+        engine: engine.clone(),
+        user: c.user.clone(),
+        client_id: c.client_id.clone(),
+        generation: c.generation,
+        schema: c.replica_schema(),
+    };
+    let held = |c: &PullClient<W::S>, id: &str| {
+        let identity = protocol::digest::RowIdentity::new(
+            "tbl_notes",
+            "fld_notes_id",
+            &protocol::value::TypedValue::String(id.to_owned()),
+        );
+        c.replica.scopes[scope].rows[identity.as_bytes()]
+            .version
+            .clone()
+    };
+    let base = held(&c, &ids[1]);
+    let update = super::push::note_mutation(
+        1,
+        &ids[1],
+        &pusher.schema,
+        "update",
+        Some(&base),
+        Some(super::push::note_columns("pushed")),
+    );
+    let (status, body, _) = pusher.push(&pusher.batch(1, vec![update], false)).await;
+    assert_eq!(status, 200, "{body:?}");
+    assert!(super::push::outcome(&body, 1).0, "{body:?}");
+}

@@ -2,7 +2,7 @@
 //! the version "trigger", a commit log that plays the WAL, a slot with an
 //! acknowledged point, and the materialized state.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Bound;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,9 +17,10 @@ use tokio::sync::watch;
 
 use super::{MemStore, MemTx};
 use crate::capture::{
-    CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, ChangeKind, DependencyRow, Effect,
-    Lsn, Materialization, MaterializedTransaction, Projection, Quarantine, SourceEvent,
-    SourceImage, SourceTransaction, VersionNote,
+    BASELINE_CHUNK_ROWS, Baseline, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
+    ChangeKind, DependencyRow, Effect, Lsn, Materialization, MaterializedTransaction, Projection,
+    Quarantine, SourceEvent, SourceImage, SourceTransaction, VersionNote, baseline_chunks,
+    baseline_position,
 };
 use crate::store::StoreError;
 
@@ -71,6 +72,9 @@ pub(super) struct CaptureState {
     /// The slot was dropped or invalidated: no feed opens, and the WAL it
     /// held is gone.
     pub(super) slot_lost: bool,
+    /// The baseline of the rows that existed before the stream is
+    /// materialized; until then, every feed opens with a new one.
+    baseline_done: bool,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
@@ -114,6 +118,7 @@ impl CaptureState {
             next_lsn: LSN_STEP,
             slot_ack: 0,
             slot_lost: false,
+            baseline_done: false,
             pending: None,
             progress: CaptureProgress {
                 boundary: Boundary::GenerationStart,
@@ -154,6 +159,99 @@ impl CaptureState {
                 });
         }
         self.plan = Some(plan.clone());
+    }
+
+    /// Creates the stream's slot with an exported snapshot, as PostgreSQL's
+    /// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')` does: the WAL
+    /// before it is not the slot's, and every captured row that exists now
+    /// (dependency relations first) is the baseline, in chunks just below
+    /// the slot's first position. A row without a version gets one.
+    fn export_baseline(&mut self) -> Result<(Baseline, VecDeque<SourceTransaction>), StoreError> {
+        let plan = self
+            .plan
+            .clone()
+            .ok_or_else(|| StoreError::Integrity("capture is not installed".into()))?;
+        let mut events = Vec::new();
+        let mut notes = Vec::new();
+        for relation in plan.dependencies.keys() {
+            if let Some(rel) = self.relations.get(relation) {
+                for (key, image) in &rel.rows {
+                    events.push(baseline_insert(relation, rel.identity(key), image));
+                    notes.push(None);
+                }
+            }
+        }
+        for t in &plan.tables {
+            let rows: Vec<SourceImage> = self
+                .relations
+                .get(&t.relation)
+                .map(|r| r.rows.values().cloned().collect())
+                .unwrap_or_default();
+            for image in rows {
+                let key = image
+                    .get(&t.primary_key)
+                    .cloned()
+                    .flatten()
+                    .ok_or_else(|| {
+                        StoreError::Integrity("a registered row without its key".into())
+                    })?;
+                let slot = (t.table_id.clone(), key.clone());
+                let version = match self.versions.get(&slot) {
+                    Some(v) if !v.deleted => (v.version.clone(), v.fence),
+                    _ => {
+                        let mut bytes = [0u8; 16];
+                        self.rng.fill_bytes(&mut bytes);
+                        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                        let v = RowVersion {
+                            version: version.clone(),
+                            fence: 0,
+                            deleted: false,
+                        };
+                        self.versions.insert(slot, v);
+                        (version, 0)
+                    }
+                };
+                let identity = SourceImage::from([(t.primary_key.clone(), Some(key.clone()))]);
+                events.push(baseline_insert(&t.relation, identity, &image));
+                notes.push(Some(VersionNote {
+                    table_id: t.table_id.clone(),
+                    key,
+                    version: version.0,
+                    fence: version.1,
+                }));
+            }
+        }
+        let rows = events.len() as u64;
+        let chunks = baseline_chunks(rows);
+        // Room below the slot's first position for every chunk.
+        self.next_lsn = self
+            .next_lsn
+            .max((2 * chunks + 1).next_multiple_of(LSN_STEP) + LSN_STEP);
+        let consistent = self.next_lsn;
+        self.log.clear();
+        let mut out = VecDeque::new();
+        let mut pairs = events.into_iter().zip(notes);
+        for index in 0..chunks {
+            let (commit_lsn, end_lsn) = baseline_position(consistent, chunks, index)
+                .ok_or_else(|| StoreError::Integrity("no room for the baseline".into()))?;
+            let mut chunk = SourceTransaction {
+                commit_lsn,
+                end_lsn,
+                events: Vec::new(),
+                notes: Vec::new(),
+                problem: None,
+            };
+            for (event, note) in pairs.by_ref().take(BASELINE_CHUNK_ROWS) {
+                chunk.events.push(event);
+                chunk.notes.extend(note);
+            }
+            out.push_back(chunk);
+        }
+        let baseline = Baseline {
+            rows,
+            covered_fences: self.pending_fences.keys().copied().collect(),
+        };
+        Ok((baseline, out))
     }
 
     /// Drops the unacknowledged WAL (with the slot that retained it).
@@ -249,6 +347,16 @@ impl CaptureState {
                 new,
             });
         }
+    }
+}
+
+/// A baseline row as the insert that would have created it.
+fn baseline_insert(relation: &str, identity: SourceImage, image: &SourceImage) -> SourceEvent {
+    SourceEvent {
+        relation: relation.to_owned(),
+        kind: ChangeKind::Insert,
+        identity,
+        new: Some(image.clone()),
     }
 }
 
@@ -566,6 +674,16 @@ impl MemTx {
         Ok(())
     }
 
+    pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) {
+        let c = &mut self.work.capture;
+        c.baseline_done = true;
+        c.fences_done.extend(covered_fences.iter().copied());
+        for f in covered_fences {
+            c.pending_fences.remove(f);
+        }
+        c.progress.quarantine = None;
+    }
+
     pub(super) fn quarantine(&mut self, q: &Quarantine) {
         self.work.capture.progress.quarantine = Some(q.clone());
     }
@@ -653,6 +771,9 @@ impl MemTx {
 /// least once (a new feed redelivers everything not acknowledged).
 pub struct MemFeed {
     store: MemStore,
+    /// The baseline this feed owes, and its chunks not yet read.
+    baseline: Option<Baseline>,
+    chunks: VecDeque<SourceTransaction>,
     delivered_end: Lsn,
     log_len: watch::Receiver<usize>,
     leader: Arc<AtomicBool>,
@@ -661,16 +782,32 @@ pub struct MemFeed {
 }
 
 impl MemFeed {
-    pub(super) async fn open(store: MemStore, leader: Arc<AtomicBool>) -> MemFeed {
-        let delivered_end = store.state.lock().await.capture.slot_ack;
+    pub(super) async fn open(
+        store: MemStore,
+        leader: Arc<AtomicBool>,
+    ) -> Result<MemFeed, StoreError> {
+        let (delivered_end, baseline, chunks) = {
+            let mut state = store.state.lock().await;
+            let c = &mut state.capture;
+            let (baseline, chunks) = match c.baseline_done {
+                true => (None, VecDeque::new()),
+                false => {
+                    let (b, chunks) = c.export_baseline()?;
+                    (Some(b), chunks)
+                }
+            };
+            (c.slot_ack, baseline, chunks)
+        };
         let log_len = store.log_len.subscribe();
-        MemFeed {
+        Ok(MemFeed {
             store,
+            baseline,
+            chunks,
             delivered_end,
             log_len,
             leader,
             source_end: delivered_end,
-        }
+        })
     }
 }
 
@@ -681,6 +818,14 @@ impl Drop for MemFeed {
 }
 
 impl ChangeFeed for MemFeed {
+    fn baseline(&self) -> Option<&Baseline> {
+        self.baseline.as_ref()
+    }
+
+    async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {
+        Ok(self.chunks.pop_front())
+    }
+
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {

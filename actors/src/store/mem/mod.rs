@@ -274,7 +274,13 @@ impl Store for MemStore {
         {
             return Ok(None);
         }
-        Ok(Some(MemFeed::open(self.clone(), self.leader.clone()).await))
+        match MemFeed::open(self.clone(), self.leader.clone()).await {
+            Ok(feed) => Ok(Some(feed)),
+            Err(e) => {
+                self.leader.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
     }
 
     async fn install_push(&self, _targets: &[WriteTarget]) -> Result<(), StoreError> {
@@ -441,6 +447,11 @@ impl StoreTx for MemTx {
 
     async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
         MemTx::materialize(self, m)
+    }
+
+    async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
+        MemTx::complete_baseline(self, covered_fences);
+        Ok(())
     }
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
