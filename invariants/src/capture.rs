@@ -293,6 +293,42 @@ fn check_versions(history: &[SourceCommit], effects: &[ObservedEffect], out: &mu
     }
 }
 
+/// The baseline (ADR 0011) as the judge sees it. `span` is where its
+/// chunks are: the first chunk's commit LSN and the stream's first
+/// position. Every commit below the first chunk is in the baseline, so they
+/// become one commit at the first chunk's position, and each chunk's
+/// effects become that commit's effects (the chunk's index before the event
+/// ordinal keeps their positions distinct and in order).
+pub fn fold_baseline(
+    history: &mut Vec<SourceCommit>,
+    effects: &mut [ObservedEffect],
+    span: (u64, u64),
+) {
+    let (first, consistent) = span;
+    let cut = history.partition_point(|c| c.commit_lsn < first);
+    assert!(
+        history[cut..].iter().all(|c| c.commit_lsn >= consistent),
+        "no commit between the baseline's chunks"
+    );
+    let mut merged = SourceCommit {
+        commit_lsn: first,
+        writes: Vec::new(),
+        versions: BTreeMap::new(),
+    };
+    for c in history.drain(..cut) {
+        merged.writes.extend(c.writes);
+        merged.versions.extend(c.versions); // the later version wins
+    }
+    history.insert(0, merged);
+    for e in effects.iter_mut() {
+        let (lsn, event, effect) = e.position;
+        if (first..consistent).contains(&lsn) {
+            let chunk = (lsn - first) / 2; // chunks are two positions apart
+            e.position = (first, (chunk << 32) | event, effect);
+        }
+    }
+}
+
 pub fn check_capture(
     history: &[SourceCommit],
     effects: &[ObservedEffect],

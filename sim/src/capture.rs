@@ -15,7 +15,6 @@ use invariants::capture::{
     EffectKind, ObservedEffect, ObservedMembers, ObservedProjection, SourceCommit, SourceWrite,
 };
 use madsim::rand::{Rng, thread_rng};
-use madsim::runtime::Handle;
 use madsim::time::sleep;
 use protocol::digest::{RowIdentity, row_digest};
 use protocol::ids::ScopeId;
@@ -24,6 +23,7 @@ use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
 
 use crate::remote;
+use crate::tripwire::{CrashPoint, Tripwire};
 
 /// The replication slot lost mid-run (ADR 0010).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +36,15 @@ pub enum SlotLoss {
     SilentlyRecreated,
 }
 
+/// Rows the database holds before capture is installed: no version, no
+/// projection. The server's first feed takes them as the baseline (ADR 0011).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Existing {
+    pub notes: usize,
+    /// A planted bug: the baseline leaves out the dependency rows.
+    pub without_dependencies: bool,
+}
+
 /// Knobs of one capture run.
 #[derive(Clone, Debug)]
 pub struct CaptureScenario {
@@ -43,6 +52,7 @@ pub struct CaptureScenario {
     pub transactions_per_writer: usize,
     pub packet_loss: f64,
     pub slot_loss: Option<SlotLoss>,
+    pub existing: Option<Existing>,
 }
 
 impl Default for CaptureScenario {
@@ -55,6 +65,7 @@ impl Default for CaptureScenario {
             // frequent, yet capture makes progress.
             packet_loss: 0.01,
             slot_loss: None,
+            existing: None,
         }
     }
 }
@@ -76,6 +87,11 @@ pub struct CaptureTrace {
     /// that were materialized (the history is cut there).
     pub slot_lost_after: Option<actors::capture::Lsn>,
     pub materialized_commits: usize,
+    /// Where the baseline's chunks are (ADR 0011): commits the server had
+    /// before its first feed opened are in it.
+    pub baseline_span: Option<(actors::capture::Lsn, actors::capture::Lsn)>,
+    /// The crash aimed at a baseline written but not committed happened.
+    pub crashed_mid_baseline: bool,
 }
 
 const USERS: [&str; 3] = ["u0", "u1", "u2"];
@@ -216,12 +232,14 @@ async fn writer(
     transactions: usize,
     notes: Arc<Mutex<Vec<String>>>,
     history: Arc<Mutex<Vec<SourceCommit>>>,
-    halfway: Option<Arc<AtomicBool>>,
+    gates: Vec<(usize, Arc<AtomicBool>)>,
 ) {
     let mut counter = 0;
     for t in 0..transactions {
-        // With a gate, the second half waits for it (the slot lost).
-        while t == transactions / 2 && halfway.as_ref().is_some_and(|g| !g.load(Ordering::Relaxed))
+        // Transaction `at` of a gate waits for it (the baseline done, the slot lost).
+        while gates
+            .iter()
+            .any(|(at, g)| *at == t && !g.load(Ordering::Relaxed))
         {
             sleep(Duration::from_millis(10)).await;
         }
@@ -278,12 +296,83 @@ async fn write_one(
     }
 }
 
-/// The server node for capture: the real engine, materializer included.
-async fn capture_server() {
+/// The server node for capture: the real engine, materializer included,
+/// stopping where `tripwire` arms it.
+async fn capture_server(tripwire: Arc<Tripwire>) {
     let incarnation: u32 = thread_rng().r#gen();
-    let _engine =
-        remote::start_engine(remote::RemoteStore::new(u64::from(incarnation), None)).await;
+    let _engine = remote::start_engine(remote::RemoteStore::new(
+        u64::from(incarnation),
+        Some(tripwire),
+    ))
+    .await;
     std::future::pending::<()>().await;
+}
+
+/// Writes the rows that exist before capture is installed, in one
+/// transaction no trigger sees: notes of every user, some shared with a
+/// team, and templates. Their ids join `notes`, so the writers race the
+/// baseline over them.
+async fn write_existing(
+    store: &MemStore,
+    existing: Existing,
+    notes: &Mutex<Vec<String>>,
+) -> Result<SourceCommit, String> {
+    let mut rng = thread_rng();
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    for (relation, key) in actors::testkit::EXAMPLE_RELATIONS {
+        tx.create_relation(relation, key);
+    }
+    let mut writes = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..existing.notes {
+        let id = format!("n-e-{i}");
+        let row = image(&[
+            ("id", Some(id.clone())),
+            ("owner_id", Some(USERS[i % USERS.len()].to_owned())),
+            ("title", Some(format!("existing {i}"))),
+            ("body", None),
+            ("pinned", Some("f".into())),
+            ("updated_at", Some(WHEN.into())),
+            ("deleted_at", None),
+        ]);
+        tx.source_insert("public.notes", row.clone())
+            .map_err(|e| format!("{e:?}"))?;
+        writes.push(SourceWrite::Put {
+            relation: "public.notes".into(),
+            image: row,
+        });
+        if rng.gen_range(0..3) == 0 {
+            let share = key(&[("note_id", &id), ("team_id", TEAMS[i % TEAMS.len()])]);
+            tx.source_insert("public.note_shares", share.clone())
+                .map_err(|e| format!("{e:?}"))?;
+            writes.push(SourceWrite::Put {
+                relation: "public.note_shares".into(),
+                image: share,
+            });
+        }
+        ids.push(id);
+    }
+    for t in 0..2 {
+        let row = image(&[
+            ("id", Some(format!("tpl-{t}"))),
+            ("name", Some("existing".into())),
+            ("body", Some("b".into())),
+        ]);
+        tx.source_insert("public.templates", row.clone())
+            .map_err(|e| format!("{e:?}"))?;
+        writes.push(SourceWrite::Put {
+            relation: "public.templates".into(),
+            image: row,
+        });
+    }
+    tx.commit().await.map_err(|e| e.to_string())?;
+    notes.lock().unwrap().extend(ids);
+    // Below every commit the stream can have: the baseline holds it.
+    Ok(SourceCommit {
+        commit_lsn: 0,
+        writes,
+        versions: BTreeMap::new(),
+    })
 }
 
 fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedEffect, String> {
@@ -348,6 +437,19 @@ pub async fn catch_up(store: &MemStore, last: actors::capture::Lsn) -> Result<()
     ))
 }
 
+/// Waits until the stream has begun: the (empty) baseline of a new
+/// database is materialized, so every later commit is a transaction of the
+/// stream (ADR 0011).
+pub async fn stream_begun(store: &MemStore) -> Result<(), String> {
+    for _ in 0..600 {
+        if store.baseline_done().await {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Err("the baseline was not materialized within 60 simulated seconds".into())
+}
+
 /// Waits until capture is blocked by the lost slot; the commit LSN it
 /// materialized through.
 async fn blocked_at(store: &MemStore) -> Result<actors::capture::Lsn, String> {
@@ -374,9 +476,28 @@ async fn blocked_at(store: &MemStore) -> Result<actors::capture::Lsn, String> {
 
 /// Runs a capture scenario under the current seed.
 pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, String> {
-    let handle = Handle::current();
     let store = MemStore::with_seed(thread_rng().r#gen());
-    let database = crate::start_nodes(&store, scenario.packet_loss, capture_server);
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let notes = Arc::new(Mutex::new(Vec::new()));
+    if let Some(existing) = scenario.existing {
+        let commit = write_existing(&store, existing, &notes).await?;
+        history.lock().unwrap().push(commit);
+        if existing.without_dependencies {
+            store.plant_baseline_without_dependencies().await;
+        }
+    }
+    let aimed: &[CrashPoint] = match scenario.existing {
+        Some(_) => &[CrashPoint::MidBaseline],
+        None => &[],
+    };
+    let (tripwire, trips) = Tripwire::arm(aimed);
+    let tripwire = Arc::new(tripwire);
+    let database = {
+        let tripwire = tripwire.clone();
+        crate::start_nodes(&store, scenario.packet_loss, move || {
+            capture_server(tripwire.clone())
+        })
+    };
 
     // Capture is installed before the application writes (as `synchro serve` does at start).
     let config = actors::testkit::example_config(|s| s);
@@ -384,10 +505,28 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         .install_capture(&actors::capture::CapturePlan::new(&config))
         .await
         .map_err(|e| e.to_string())?;
-    let history = Arc::new(Mutex::new(Vec::new()));
-    let notes = Arc::new(Mutex::new(Vec::new()));
+    // The writers begin once the stream has (the baseline done), or, over
+    // an existing database, race the baseline with their first halves.
+    let baseline_done = Arc::new(AtomicBool::new(false));
+    {
+        let (store, gate) = (store.clone(), baseline_done.clone());
+        database.spawn(async move {
+            while !store.baseline_done().await {
+                sleep(Duration::from_millis(20)).await;
+            }
+            gate.store(true, Ordering::Relaxed);
+        });
+    }
+    let half = scenario.transactions_per_writer / 2;
+    let mut gates = vec![match scenario.existing {
+        Some(_) => (half, baseline_done.clone()),
+        None => (0, baseline_done.clone()),
+    }];
     // With a lost slot, the writers' second halves come after the loss.
     let lost = scenario.slot_loss.map(|_| Arc::new(AtomicBool::new(false)));
+    if let Some(gate) = &lost {
+        gates.push((half, gate.clone()));
+    }
     let writers: Vec<_> = (0..scenario.writers)
         .map(|i| {
             database.spawn(writer(
@@ -396,7 +535,7 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
                 scenario.transactions_per_writer,
                 notes.clone(),
                 history.clone(),
-                lost.clone(),
+                gates.clone(),
             ))
         })
         .collect();
@@ -439,28 +578,30 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
             before
         })
     });
-    // Crash the server (and with it the materializer) at arbitrary points.
+    // Crash the server (and with it the materializer) at arbitrary points,
+    // and once with a baseline written but not committed.
+    let events = Arc::new(Mutex::new(Vec::new()));
     let crasher = {
-        let handle = handle.clone();
-        madsim::task::spawn(async move {
-            let mut events = Vec::new();
-            loop {
-                sleep(Duration::from_millis(thread_rng().gen_range(150..900))).await;
-                handle.kill("server");
-                sleep(Duration::from_millis(thread_rng().gen_range(20..300))).await;
-                handle.restart("server");
-                events.push("server crash and restart".to_owned());
-                if events.len() >= 6 {
-                    return events;
-                }
-            }
+        let events = events.clone();
+        crate::crash_server(6, 150..900, Some(trips), move |cause| {
+            events.lock().unwrap().push(match cause {
+                None => "server crash and restart".to_owned(),
+                Some(point) => format!("server crash at {point:?} and restart"),
+            });
         })
     };
     for w in writers {
         w.await.map_err(|e| format!("writer failed: {e}"))?;
     }
-    trace.events = crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    if scenario.existing.is_some() {
+        // The baseline is over when the writers are: stop aiming at it.
+        catch_up(&store, 0).await?;
+    }
+    tripwire.disarm();
+    crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    trace.events = events.lock().unwrap().clone();
     trace.crashes = trace.events.len();
+    trace.crashed_mid_baseline = trace.events.iter().any(|e| e.contains("MidBaseline"));
     trace.history = history.lock().unwrap().clone();
 
     if let Some(loss) = loss {
@@ -477,6 +618,14 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         catch_up(&store, last).await?;
     }
     trace.materialized_commits = trace.history.len();
+    trace.baseline_span = store.baseline_span().await;
+    if let Some(first) = trace.history.first_mut()
+        && first.commit_lsn == 0
+    {
+        // The versions the baseline gave the rows that had none (the
+        // store's row versions then); later writes' versions are the writers'.
+        first.versions = store.baseline_versions().await;
+    }
     trace.redeliveries = store
         .feed_deliveries()
         .await
@@ -498,6 +647,9 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         {
             trace.effects.push(observe(&manifest, &e)?);
         }
+    }
+    if let Some(span) = trace.baseline_span {
+        invariants::capture::fold_baseline(&mut trace.history, &mut trace.effects, span);
     }
     let mut keys: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for commit in &trace.history {

@@ -677,8 +677,10 @@ async fn client_main(
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
     for p in 0..pulls {
-        // (The record-losing bug's client writes a row of its own first.)
-        let seeded = c.mutant == Some(Mutant::DropRecord) && p == pulls / 2 - 1;
+        // (A bug's client writes a row of its own, so it has a change and
+        // a record to lose.)
+        let seeded =
+            matches!(c.mutant, Some(Mutant::DropRecord | Mutant::DropChange)) && p == pulls / 2 - 1;
         if seeded || thread_rng().gen_bool(0.1) {
             push_one(&mut c, &schema, index, p, &trace).await;
         }
@@ -897,7 +899,7 @@ async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
 pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    let (tripwire, trips) = Tripwire::arm(&CrashPoint::ALL);
+    let (tripwire, trips) = Tripwire::arm(&CrashPoint::REBUILD);
     let tripwire = Arc::new(tripwire);
     let database = {
         let tripwire = tripwire.clone();

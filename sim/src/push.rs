@@ -337,6 +337,8 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
         .install_capture(&actors::capture::CapturePlan::new(&config))
         .await
         .map_err(|e| e.to_string())?;
+    // The version chains are the stream's: pushes begin after the baseline.
+    crate::capture::stream_begun(&store).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let writer = database.spawn(direct_writer(
         store.clone(),

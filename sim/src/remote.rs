@@ -763,6 +763,7 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
         Op::StagedDigests(_, 0, _) => Some(CrashPoint::MidStaging),
         Op::PutRebuildPage(_, 0, _) => Some(CrashPoint::FirstPage),
         Op::PutRebuildPage(..) => Some(CrashPoint::LaterPage),
+        Op::CompleteBaseline(_) => Some(CrashPoint::MidBaseline),
         _ => None,
     }
 }

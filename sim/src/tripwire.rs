@@ -1,7 +1,8 @@
 //! Crashes aimed at a point inside a server operation. Random crashes land
 //! wherever the run happens to be; a tripwire makes sure the server also
 //! dies exactly where the protocol is most fragile: with a rebuild's stage
-//! written but not sealed, or with a page built but not yet stored. The
+//! written but not sealed, with a page built but not yet stored, or with a
+//! baseline written but not committed. The
 //! server reaches an armed point, the tripwire tells the crasher and parks
 //! the operation, and the crasher kills the server there, before the
 //! operation reaches the database. The open transaction is then rolled back
@@ -24,11 +25,14 @@ pub enum CrashPoint {
     FirstPage,
     /// A continued rebuild's page is built and about to be stored.
     LaterPage,
+    /// Every chunk of the baseline is written; the transaction is about to
+    /// record it complete and commit (ADR 0011).
+    MidBaseline,
 }
 
 impl CrashPoint {
-    /// Every point.
-    pub const ALL: [CrashPoint; 3] = [
+    /// Every point inside a rebuild.
+    pub const REBUILD: [CrashPoint; 3] = [
         CrashPoint::MidStaging,
         CrashPoint::FirstPage,
         CrashPoint::LaterPage,

@@ -5,7 +5,7 @@
 #![cfg(madsim)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use sim::capture::{CaptureScenario, SlotLoss, run_capture};
+use sim::capture::{CaptureScenario, Existing, SlotLoss, run_capture};
 
 fn reproduce(test: &str) -> String {
     let seed = madsim::runtime::Handle::current().seed();
@@ -94,5 +94,55 @@ async fn a_slot_recreated_silently_is_caught() {
     assert!(
         judged(&trace).is_err(),
         "the skipped commits went unnoticed\n{reproduce}"
+    );
+}
+
+/// Rows that exist before capture is installed arrive as the baseline
+/// (ADR 0011) while the writers already update, share and delete them, the
+/// server crashes (once aimed with every chunk written but the baseline not
+/// committed), and store messages are lost: the capture invariants hold
+/// over the baseline as one commit followed by the stream.
+#[madsim::test]
+async fn an_existing_database_is_adopted_under_faults() {
+    let reproduce = reproduce("an_existing_database_is_adopted_under_faults");
+    let scenario = CaptureScenario {
+        existing: Some(Existing {
+            notes: 1100, // two chunks, with the shares
+            without_dependencies: false,
+        }),
+        ..CaptureScenario::default()
+    };
+    let trace = run(scenario, &reproduce).await;
+    eprintln!(
+        "stats: commits {} effects {} crashes {} baseline {:?}",
+        trace.history.len(),
+        trace.effects.len(),
+        trace.crashes,
+        trace.baseline_span
+    );
+    assert!(
+        trace.crashed_mid_baseline,
+        "no crash with the baseline written but not committed\n{reproduce}"
+    );
+    assert!(trace.baseline_span.is_some(), "a baseline\n{reproduce}");
+    assert_judged(&trace, &reproduce);
+}
+
+/// A planted bug: the baseline leaves out the dependency rows the scope
+/// rules read, so shared notes are missing from their teams' scopes.
+#[madsim::test]
+async fn a_baseline_without_dependency_rows_is_caught() {
+    let reproduce = reproduce("a_baseline_without_dependency_rows_is_caught");
+    let scenario = CaptureScenario {
+        existing: Some(Existing {
+            notes: 1100,
+            without_dependencies: true,
+        }),
+        ..CaptureScenario::default()
+    };
+    let trace = run(scenario, &reproduce).await;
+    assert!(
+        judged(&trace).is_err(),
+        "the missing dependency rows went unnoticed\n{reproduce}"
     );
 }

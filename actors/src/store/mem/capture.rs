@@ -74,7 +74,14 @@ pub(super) struct CaptureState {
     pub(super) slot_lost: bool,
     /// The baseline of the rows that existed before the stream is
     /// materialized; until then, every feed opens with a new one.
-    baseline_done: bool,
+    pub(super) baseline_done: bool,
+    /// The positions of the last baseline exported: its first chunk's
+    /// commit, and the slot's first position (`None`: no row in it).
+    pub(super) baseline_span: Option<(Lsn, Lsn)>,
+    /// The version each registered row had in the last baseline exported, by key.
+    pub(super) baseline_versions: BTreeMap<String, String>,
+    /// A planted bug: the baseline leaves out the dependency relations.
+    pub(super) baseline_without_dependencies: bool,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
@@ -119,6 +126,9 @@ impl CaptureState {
             slot_ack: 0,
             slot_lost: false,
             baseline_done: false,
+            baseline_span: None,
+            baseline_versions: BTreeMap::new(),
+            baseline_without_dependencies: false,
             pending: None,
             progress: CaptureProgress {
                 boundary: Boundary::GenerationStart,
@@ -173,7 +183,12 @@ impl CaptureState {
             .ok_or_else(|| StoreError::Integrity("capture is not installed".into()))?;
         let mut events = Vec::new();
         let mut notes = Vec::new();
-        for relation in plan.dependencies.keys() {
+        self.baseline_versions.clear();
+        let dependencies = match self.baseline_without_dependencies {
+            false => plan.dependencies.keys().collect(),
+            true => Vec::new(),
+        };
+        for relation in dependencies {
             if let Some(rel) = self.relations.get(relation) {
                 for (key, image) in &rel.rows {
                     events.push(baseline_insert(relation, rel.identity(key), image));
@@ -211,6 +226,8 @@ impl CaptureState {
                         (version, 0)
                     }
                 };
+                self.baseline_versions
+                    .insert(key.clone(), version.0.clone());
                 let identity = SourceImage::from([(t.primary_key.clone(), Some(key.clone()))]);
                 events.push(baseline_insert(&t.relation, identity, &image));
                 notes.push(Some(VersionNote {
@@ -247,6 +264,7 @@ impl CaptureState {
             }
             out.push_back(chunk);
         }
+        self.baseline_span = out.front().map(|c| (c.commit_lsn, consistent));
         let baseline = Baseline {
             rows,
             covered_fences: self.pending_fences.keys().copied().collect(),

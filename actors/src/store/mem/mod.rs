@@ -130,6 +130,38 @@ impl MemStore {
         self.state.lock().await.capture.lose_log();
     }
 
+    /// Where the materialized baseline's chunks are: its first chunk's
+    /// commit LSN and the stream's first position; `None` before it
+    /// completed, or when it held no row. Every commit below the first is in it.
+    pub async fn baseline_span(&self) -> Option<(crate::capture::Lsn, crate::capture::Lsn)> {
+        let state = self.state.lock().await;
+        state
+            .capture
+            .baseline_done
+            .then_some(state.capture.baseline_span)
+            .flatten()
+    }
+
+    /// Whether the baseline is materialized.
+    pub async fn baseline_done(&self) -> bool {
+        self.state.lock().await.capture.baseline_done
+    }
+
+    /// The version each registered row had in the last baseline exported, by key.
+    pub async fn baseline_versions(&self) -> BTreeMap<String, String> {
+        self.state.lock().await.capture.baseline_versions.clone()
+    }
+
+    /// Fault injection for a planted bug: baselines leave out the
+    /// dependency relations that scope rules read.
+    pub async fn plant_baseline_without_dependencies(&self) {
+        self.state
+            .lock()
+            .await
+            .capture
+            .baseline_without_dependencies = true;
+    }
+
     /// Transactions the change feeds delivered, redeliveries included.
     pub async fn feed_deliveries(&self) -> u64 {
         self.state.lock().await.capture.deliveries

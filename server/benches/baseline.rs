@@ -1,0 +1,107 @@
+//! The baseline of an existing database (ADR 0011, issue 13): a `synchro
+//! serve` process adopts a database that already holds 1,000,000 rows
+//! (notes, and shares of every fourth note), against a plain `COPY (SELECT
+//! ...) TO STDOUT` of the same tables read by a client in the same run.
+//! Reports rows/s, the ratio to COPY, and the server's peak RSS.
+//!
+//! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
+//! sets the row count).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use sqlx::PgPool;
+use store_pg::cluster::PgCluster;
+
+#[path = "served.rs"]
+mod served;
+use served::Served;
+
+/// A process's peak resident set, in KiB.
+fn peak_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Reads `sql`'s COPY output to its end; the bytes read.
+async fn copy_out(pool: &PgPool, sql: &str) -> usize {
+    let mut conn = pool.acquire().await.unwrap();
+    let mut stream = conn.copy_out_raw(sql).await.unwrap();
+    let mut bytes = 0;
+    while let Some(chunk) = stream.next().await {
+        bytes += chunk.unwrap().len();
+    }
+    bytes
+}
+
+#[tokio::main]
+async fn main() {
+    let rows: usize = std::env::var("SYNCHRO_BENCH_BASELINE_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let notes = rows * 4 / 5;
+    let cluster = PgCluster::temp().unwrap();
+    let store = store_pg::example_store(&cluster, "baseline_bench").await;
+    let pool = store.pool().clone();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO public.notes (id, owner_id, title, body, updated_at) \
+         SELECT gen_random_uuid(), 'user-' || (g % 1000), 'note ' || g, repeat('x', 80), \
+                '2026-07-18 14:00:00+00' FROM generate_series(1, {notes}) g; \
+         INSERT INTO public.note_shares (note_id, team_id) \
+         SELECT id, 'team-' || (row_number() OVER () % 50) FROM public.notes \
+         ORDER BY id LIMIT {}; \
+         VACUUM ANALYZE public.notes, public.note_shares; CHECKPOINT;",
+        rows - notes
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let start = Instant::now();
+    let bytes = copy_out(&pool, "COPY (SELECT * FROM public.note_shares) TO STDOUT").await
+        + copy_out(&pool, "COPY (SELECT * FROM public.notes) TO STDOUT").await;
+    let copy = start.elapsed();
+
+    let secrets = tempfile::tempdir().unwrap();
+    let secret_file = secrets.path().join("hs256.secret").display().to_string();
+    server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+    let server = Served::start(&cluster.url("baseline_bench"), &secret_file).await;
+    // From the candidate slot's record to the baseline committed.
+    let mut began = None;
+    let baseline = loop {
+        let done: Option<bool> =
+            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        match done {
+            Some(true) => break began.map_or(Duration::ZERO, |b: Instant| b.elapsed()),
+            Some(false) if began.is_none() => began = Some(Instant::now()),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let peak = peak_kib(server.child.id());
+    let projected: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.projections")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(projected as usize, notes, "every note is projected");
+    println!(
+        "baseline of {rows} rows ({notes} notes, {} shares): {:.2} s, {:.0} rows/s; \
+         COPY of the same tables ({:.0} MB): {:.2} s; ratio {:.2}x; server peak RSS {:.1} MB",
+        rows - notes,
+        baseline.as_secs_f64(),
+        rows as f64 / baseline.as_secs_f64(),
+        bytes as f64 / 1e6,
+        copy.as_secs_f64(),
+        baseline.as_secs_f64() / copy.as_secs_f64(),
+        peak as f64 / 1024.0
+    );
+}

@@ -1,0 +1,63 @@
+//! A `synchro serve` process for a bench: its own memory is the server's alone.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a load tool fails loudly
+
+/// A `synchro serve` process on the bench's database, with the bench's
+/// HS256 secret; killed when dropped.
+pub struct Served {
+    pub child: std::process::Child,
+    #[allow(dead_code)] // not every bench talks to it
+    pub addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Served {
+    pub async fn start(database_url: &str, secret_file: &str) -> Served {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        let config = actors::testkit::push_config_toml(actors::testkit::EXAMPLE_CONFIG.to_owned())
+            .replace(".synchro/hs256.secret", secret_file)
+            .replace("bootstrap_sql = \"schema.sql\"\n", "");
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--database-url",
+                database_url,
+            ])
+            .arg("--config")
+            .arg(dir.path().join("config.toml"))
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("the server printed its address")
+                .unwrap();
+            if let Some(a) = line.strip_prefix("synchro: listening on http://") {
+                break a.parse().unwrap();
+            }
+        };
+        // Keep reading what it prints, so that it never writes to a closed pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Served {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
