@@ -55,13 +55,18 @@ async fn main() {
                 '2026-07-18 14:00:00+00' FROM generate_series(1, {notes}) g; \
          INSERT INTO public.note_shares (note_id, team_id) \
          SELECT id, 'team-' || (row_number() OVER () % 50) FROM public.notes \
-         ORDER BY id LIMIT {}; \
-         VACUUM ANALYZE public.notes, public.note_shares; CHECKPOINT;",
+         ORDER BY id LIMIT {};",
         rows - notes
     ))
     .execute(&pool)
     .await
     .unwrap();
+    for sql in [
+        "VACUUM ANALYZE public.notes, public.note_shares",
+        "CHECKPOINT",
+    ] {
+        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+    }
 
     let start = Instant::now();
     let bytes = copy_out(&pool, "COPY (SELECT * FROM public.note_shares) TO STDOUT").await

@@ -112,6 +112,7 @@ pub(crate) async fn start(
             chunks,
             index: 0,
             open: empty_chunk(),
+            fresh: Vec::new(),
             send,
             pool,
         };
@@ -234,11 +235,11 @@ async fn read(
     Ok(())
 }
 
-/// One row: its image, and for a registered row its version note (a
-/// version new to it has fence 0, which no change allocates).
+/// One row: its image, and for a registered row its version note and
+/// whether that version is new (no version row held it at the snapshot).
 struct BaselineRow {
     image: SourceImage,
-    note: Option<VersionNote>,
+    note: Option<(VersionNote, bool)>,
 }
 
 fn parse_row(s: &Source, line: &[u8]) -> Result<BaselineRow, StoreError> {
@@ -258,6 +259,7 @@ fn parse_row(s: &Source, line: &[u8]) -> Result<BaselineRow, StoreError> {
             };
             let (version, fence, fresh, key) = (next()?, next()?, next()?, next()?);
             let key = key.ok_or_else(|| integrity("a registered row without its key"))?;
+            let new_version = version.is_none();
             let version = match version {
                 Some(v) => v,
                 None => fresh.ok_or_else(|| integrity("no new version"))?,
@@ -266,12 +268,15 @@ fn parse_row(s: &Source, line: &[u8]) -> Result<BaselineRow, StoreError> {
                 Some(f) => f.parse().map_err(|_| integrity("an invalid fence"))?,
                 None => 0,
             };
-            Some(VersionNote {
-                table_id: table_id.clone(),
-                key,
-                version,
-                fence,
-            })
+            Some((
+                VersionNote {
+                    table_id: table_id.clone(),
+                    key,
+                    version,
+                    fence,
+                },
+                new_version,
+            ))
         }
     };
     if fields.next().is_some() {
@@ -325,6 +330,8 @@ struct Chunker {
     chunks: u64,
     index: u64,
     open: SourceTransaction,
+    /// The open chunk's notes, each with whether its version is new.
+    fresh: Vec<(VersionNote, bool)>,
     send: mpsc::Sender<Result<SourceTransaction, StoreError>>,
     pool: PgPool,
 }
@@ -342,7 +349,10 @@ impl Chunker {
             identity,
             new: Some(row.image),
         });
-        self.open.notes.extend(row.note);
+        if let Some((note, fresh)) = row.note {
+            self.open.notes.push(note.clone());
+            self.fresh.push((note, fresh));
+        }
         if self.open.events.len() == BASELINE_CHUNK_ROWS {
             self.flush().await?;
         }
@@ -359,7 +369,7 @@ impl Chunker {
         self.index += 1;
         chunk.commit_lsn = commit_lsn;
         chunk.end_lsn = end_lsn;
-        record_new_versions(&self.pool, &chunk.notes).await?;
+        record_new_versions(&self.pool, &std::mem::take(&mut self.fresh)).await?;
         self.send
             .send(Ok(chunk))
             .await
@@ -377,12 +387,40 @@ impl Chunker {
     }
 }
 
-/// Records the versions the baseline gave rows that had none (fence 0;
-/// one recorded by an earlier baseline is kept as it is). A row a
-/// later transaction wrote keeps that transaction's version: the stream
-/// delivers it after the baseline.
-async fn record_new_versions(pool: &PgPool, notes: &[VersionNote]) -> Result<(), StoreError> {
-    let new: Vec<&VersionNote> = notes.iter().filter(|n| n.fence == 0).collect();
+/// Gives every registered row that has no version one (fence 0, which no
+/// change allocates), in one statement per table. A row a concurrent
+/// transaction writes keeps that transaction's version.
+pub(crate) async fn version_unversioned(
+    pool: &PgPool,
+    plan: &CapturePlan,
+) -> Result<(), StoreError> {
+    for t in &plan.tables {
+        let sql = format!(
+            "INSERT INTO synchro.row_versions (table_id, key, version, fence, deleted) \
+             SELECT {}, to_jsonb(r.{pk}) #>> '{{}}', replace(gen_random_uuid()::text, '-', ''), \
+               0, false FROM {} r ON CONFLICT (table_id, key) DO NOTHING",
+            crate::capture::literal(&t.table_id),
+            quote_relation(&t.relation),
+            pk = quote_column(&t.primary_key),
+        );
+        sqlx::query(&sql).execute(pool).await.map_err(db_error)?;
+    }
+    Ok(())
+}
+
+/// Records the versions the baseline gave rows that still had none at the
+/// snapshot (a row whose version row is a deletion fence's). A row a later
+/// transaction wrote keeps that transaction's version: the stream delivers
+/// it after the baseline.
+async fn record_new_versions(
+    pool: &PgPool,
+    notes: &[(VersionNote, bool)],
+) -> Result<(), StoreError> {
+    let new: Vec<&VersionNote> = notes
+        .iter()
+        .filter(|(_, fresh)| *fresh)
+        .map(|(n, _)| n)
+        .collect();
     if new.is_empty() {
         return Ok(());
     }

@@ -127,6 +127,27 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
             )));
         }
     }
+    // The materializer finds a dependency relation's rows by the column a
+    // rule joins on: one index per such column (an expression on the row's image).
+    for (_, column) in &plan.dependency_keys {
+        let name: String = column
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .take(40)
+            .collect();
+        let sql = format!(
+            "CREATE INDEX IF NOT EXISTS dependency_rows_by_{name} \
+             ON synchro.dependency_rows (relation, (image ->> {}))",
+            literal(column)
+        );
+        tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
+    }
     // A relation recreated since capture was installed has a WAL history
     // that cannot be joined to what was materialized: refuse it.
     for relation in plan.relations() {
@@ -231,6 +252,7 @@ async fn adopt_unrecorded_slot(store: &PgStore, slot: &str) -> Result<bool, Stor
 /// the snapshot is imported.
 async fn create_candidate_slot(
     store: &PgStore,
+    plan: &CapturePlan,
     client: &mut ReplicationClient,
     slot: &str,
 ) -> Result<(String, Lsn), StoreError> {
@@ -252,6 +274,9 @@ async fn create_candidate_slot(
             .await
             .map_err(db_error)?;
     }
+    // Rows without a version get one first, committed before the slot's
+    // snapshot, so the baseline reads every version it gives.
+    baseline::version_unversioned(&store.pool, plan).await?;
     let unavailable = |e: pgwire_replication::PgWireError| {
         StoreError::Unavailable(format!("creating the slot: {e}"))
     };
@@ -452,7 +477,8 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         let mut client = ReplicationClient::connect_gated(config)
             .await
             .map_err(connect_failed)?;
-        let (snapshot, consistent) = create_candidate_slot(store, &mut client, &slot).await?;
+        let (snapshot, consistent) =
+            create_candidate_slot(store, &plan, &mut client, &slot).await?;
         let reader =
             baseline::start(&store.options, &store.pool, &plan, &snapshot, consistent).await?;
         (client, Some(reader))

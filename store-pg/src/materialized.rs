@@ -383,19 +383,21 @@ impl PgTx {
         column: &str,
         values: &[String],
     ) -> Result<Vec<DependencyRow>, StoreError> {
-        sqlx::query(
+        // The column is a literal, so the plan uses its index (see `install`).
+        let sql = format!(
             "SELECT relation, identity, image::text AS image FROM synchro.dependency_rows \
-             WHERE relation = $1 AND image ->> $2 = ANY($3)",
-        )
-        .bind(relation)
-        .bind(column)
-        .bind(values)
-        .fetch_all(&mut *self.tx)
-        .await
-        .map_err(db_error)?
-        .iter()
-        .map(dependency)
-        .collect()
+             WHERE relation = $1 AND image ->> {} = ANY($2)",
+            crate::capture::literal(column)
+        );
+        sqlx::query(&sql)
+            .bind(relation)
+            .bind(values)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)?
+            .iter()
+            .map(dependency)
+            .collect()
     }
 
     pub(crate) async fn write_materialization(

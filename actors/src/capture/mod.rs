@@ -231,12 +231,16 @@ pub struct CapturePlan {
     pub tables: Vec<CapturedTable>,
     /// Dependency relations with the columns the rules read from them.
     pub dependencies: BTreeMap<String, BTreeSet<String>>,
+    /// `(relation, column)` of each dependency relation's column that a
+    /// rule joins on: the materializer looks its rows up by it.
+    pub dependency_keys: BTreeSet<(String, String)>,
 }
 
 impl CapturePlan {
     /// The plan for a validated config.
     pub fn new(config: &SyncConfig) -> CapturePlan {
         let mut dependencies: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut dependency_keys = BTreeSet::new();
         for t in &config.tables {
             for rule in &t.scopes {
                 if let MembershipRule::Dependency {
@@ -245,6 +249,7 @@ impl CapturePlan {
                 {
                     let columns = dependencies.entry(via.clone()).or_default();
                     columns.insert(key.clone());
+                    dependency_keys.insert((via.clone(), key.clone()));
                     if let Ok(t) = crate::config::ScopeTemplate::parse(template) {
                         columns.extend(t.placeholders().map(str::to_owned));
                     }
@@ -262,6 +267,7 @@ impl CapturePlan {
                 })
                 .collect(),
             dependencies,
+            dependency_keys,
         }
     }
 
