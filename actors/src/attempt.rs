@@ -92,7 +92,8 @@ pub async fn capture_gates<T: StoreTx>(
     progress: &CaptureProgress,
     client_id: &str,
 ) -> Result<(), Failure> {
-    if progress.quarantine.is_some() {
+    // A baseline still owed (a new or reset stream) blocks as a quarantine does.
+    if progress.quarantine.is_some() || progress.baseline_owed {
         return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
             reason: Some(UnavailableReason::CaptureBlocked),
         })

@@ -48,3 +48,25 @@ async fn existing_rows_arrive_as_the_baseline() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_stream_reset_recovers_a_lost_slot() {
+    actors::testkit::stream_reset_recovers(
+        &Mem {
+            store: actors::testkit::example_mem_store(7).await,
+        },
+        actors::testkit::Broken::SlotLost,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_stream_reset_recovers_a_poisoned_transaction() {
+    actors::testkit::stream_reset_recovers(
+        &Mem {
+            store: actors::testkit::example_mem_store(8).await,
+        },
+        actors::testkit::Broken::Poisoned,
+    )
+    .await;
+}

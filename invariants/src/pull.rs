@@ -595,6 +595,19 @@ pub fn check_cursor(
 
 /// Checkpoints never move backward: `history` is every checkpoint read,
 /// per (client, scope), in the order read.
+/// No cursor crosses stream generations: for each scope of a pull page,
+/// `(scope, generation of the cursor presented, generation of the cursor
+/// returned)`. Positions of two generations are not comparable (ADR 003),
+/// so a stale cursor's scope must go to rebuild, never continue.
+pub fn check_generations(pairs: &[(String, u64, u64)]) -> Result<(), String> {
+    match pairs.iter().find(|(_, before, after)| before != after) {
+        Some((scope, before, after)) => Err(format!(
+            "{scope}: a cursor of generation {before} continued as one of generation {after}"
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn check_checkpoints(
     history: &BTreeMap<(String, String), Vec<(u64, StreamPosition)>>,
 ) -> Result<(), String> {

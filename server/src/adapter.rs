@@ -176,10 +176,16 @@ async fn ready(State(state): State<AppState>) -> Response {
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let body = if ready {
-        &br#"{"ready":true}"#[..]
-    } else {
-        &br#"{"ready":false}"#[..]
+    // The operator status: a running baseline's progress.
+    let body = match state.engine.capture_status() {
+        actors::materializer::CaptureStatus::Baseline(p) => {
+            let mut o = protocol::json::Object::new();
+            o.insert("baseline".into(), crate::progress::json(&p));
+            o.insert("ready".into(), protocol::json::Value::Bool(ready));
+            protocol::json::to_canonical(&protocol::json::Value::Object(o))
+        }
+        _ if ready => br#"{"ready":true}"#.to_vec(),
+        _ => br#"{"ready":false}"#.to_vec(),
     };
     let mut response = (status, body).into_response();
     let headers = response.headers_mut();

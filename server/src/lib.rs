@@ -4,3 +4,4 @@
 
 pub mod adapter;
 pub mod auth;
+pub mod progress;

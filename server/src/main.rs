@@ -44,12 +44,49 @@ enum Command {
         #[arg(long, default_value = ".synchro")]
         data_dir: PathBuf,
     },
+    /// Operator actions on the capture stream: its status, and the stream reset.
+    Stream {
+        #[command(subcommand)]
+        action: StreamAction,
+    },
     /// Prints a bearer token for USER that a local server (auth mode hs256) accepts.
     Token {
         #[arg(long)]
         user: String,
         #[arg(long, default_value = "synchro.toml")]
         config: PathBuf,
+    },
+}
+
+/// Where the stream's database is: as `serve` finds it.
+#[derive(clap::Args)]
+struct DatabaseArgs {
+    /// An existing PostgreSQL database instead of the embedded one.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Where the embedded PostgreSQL keeps its data.
+    #[arg(long, default_value = ".synchro")]
+    data_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum StreamAction {
+    /// Shows the stream's generation, its replication slot, capture's
+    /// progress, and whether a baseline is owed or capture is blocked.
+    Status {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Resets the stream (ADR 0012): a new stream generation, every client
+    /// cursor and rebuild session stale (clients rebuild), and a new slot and
+    /// baseline, which the running server materializes. The way out of a
+    /// lost slot or a quarantine nothing can repair. Needs --confirm.
+    Reset {
+        /// Confirms the reset: every client rebuilds every scope.
+        #[arg(long)]
+        confirm: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
     },
 }
 
@@ -62,6 +99,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Token { user, config } => token(&user, &config),
+        Command::Stream { action } => match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt.block_on(stream(action)),
+            Err(e) => Err(format!("cannot start the runtime: {e}")),
+        },
         Command::Serve {
             config,
             listen,
@@ -134,16 +178,15 @@ fn url_password(database_url: &str) -> Option<String> {
     from_url.or_else(|| std::env::var("PGPASSWORD").ok())
 }
 
-async fn serve(
-    config_path: &Path,
-    listen: SocketAddr,
+/// The database's connection options and password, and the embedded
+/// cluster when there is no URL (started, or found running; it lives as
+/// long as the handle).
+async fn open_database(
     database_url: Option<String>,
     data_dir: &Path,
-) -> Result<(), String> {
-    let config = load_config(config_path)?;
-    // The embedded cluster lives as long as this function; dropping it stops PostgreSQL.
+) -> Result<(Option<PgCluster>, PgConnectOptions, Option<String>), String> {
     let mut password = None;
-    let (_cluster, options) = match database_url {
+    let (cluster, options) = match database_url {
         Some(url) => {
             // The replication connection of capture needs the password too.
             password = url_password(&url);
@@ -166,6 +209,82 @@ async fn serve(
             (Some(cluster), options)
         }
     };
+    Ok((cluster, options, password))
+}
+
+/// `synchro stream status` and `synchro stream reset`.
+async fn stream(action: StreamAction) -> Result<(), String> {
+    let (confirm, database, reset) = match action {
+        StreamAction::Status { database } => (false, database, false),
+        StreamAction::Reset { confirm, database } => (confirm, database, true),
+    };
+    if reset && !confirm {
+        return Err(
+            "a stream reset makes every client rebuild every scope, and drops \
+             the replication slot; run it again with --confirm"
+                .into(),
+        );
+    }
+    let (_cluster, options, password) =
+        open_database(database.database_url, &database.data_dir).await?;
+    let store = PgStore::connect_with_password(options, password.as_deref())
+        .await
+        .map_err(|e| format!("database: {e}"))?;
+    if reset {
+        let generation = store.reset_stream().await.map_err(|e| e.to_string())?;
+        println!(
+            "synchro: the stream was reset to generation {generation}; the server takes \
+             its baseline now (its terminal, its log and GET /ready show the progress)"
+        );
+        return Ok(());
+    }
+    let r = store.stream_report().await.map_err(|e| e.to_string())?;
+    println!("stream generation: {}", r.generation);
+    match &r.slot {
+        Some((name, lsn)) => println!(
+            "slot: {name}, stream began at {:X}/{:X}, {}",
+            lsn >> 32,
+            lsn & 0xffff_ffff,
+            match r.slot_present.as_deref() {
+                None => "missing",
+                Some("lost") => "invalidated (its WAL was removed)",
+                Some(_) => "present",
+            }
+        ),
+        None => println!("slot: not created yet"),
+    }
+    println!(
+        "baseline: {}",
+        if r.baseline_owed {
+            "owed (capture has not materialized it)"
+        } else {
+            "materialized"
+        }
+    );
+    println!(
+        "materialized through: {}",
+        match r.boundary {
+            protocol::position::Boundary::GenerationStart => "generation start".to_owned(),
+            protocol::position::Boundary::TransactionEnd { commit_lsn } =>
+                format!("{:X}/{:X}", commit_lsn >> 32, commit_lsn & 0xffff_ffff),
+        }
+    );
+    match &r.quarantine {
+        Some(class) => println!("capture: blocked ({class})"),
+        None => println!("capture: not blocked"),
+    }
+    Ok(())
+}
+
+async fn serve(
+    config_path: &Path,
+    listen: SocketAddr,
+    database_url: Option<String>,
+    data_dir: &Path,
+) -> Result<(), String> {
+    let config = load_config(config_path)?;
+    // The embedded cluster lives as long as this function; dropping it stops PostgreSQL.
+    let (_cluster, options, password) = open_database(database_url, data_dir).await?;
     let store = PgStore::connect_with_password(options, password.as_deref())
         .await
         .map_err(|e| format!("database: {e}"))?;
@@ -206,6 +325,7 @@ async fn serve(
             config_path.display()
         );
     }
+    server::progress::draw_on_terminal(engine.clone());
     let app = router(AppState {
         engine,
         auth: Arc::new(auth),

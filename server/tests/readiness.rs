@@ -261,3 +261,95 @@ async fn an_integrity_failure_latches_unready() {
     let again = serve(dir.path(), &url);
     wait_ready(again.addr, "the restarted server").await;
 }
+
+/// `synchro stream`, as an operator runs it: the slot is dropped by hand,
+/// so `/ready` is false and status says so; a reset without `--confirm`
+/// changes nothing; with it, the server takes the new baseline and is ready
+/// again, and the rows written while the slot was gone are in it.
+#[tokio::test]
+async fn an_operator_resets_the_stream_after_the_slot_is_dropped() {
+    let cluster = PgCluster::temp().unwrap();
+    let (dir, url, pool) = setup(&cluster, "reset").await;
+    let server = serve(dir.path(), &url);
+    wait_ready(server.addr, "the server").await;
+    let stream = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_synchro"))
+            .arg("stream")
+            .args(args)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The slot is dropped behind the server's back, then a note is written.
+    sqlx::raw_sql(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+         WHERE active_pid IS NOT NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut dropped = false;
+    for _ in 0..200 {
+        if sqlx::raw_sql("SELECT pg_drop_replication_slot('synchro_reset')")
+            .execute(&pool)
+            .await
+            .is_ok()
+        {
+            dropped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(dropped, "the slot was dropped");
+    sqlx::raw_sql(
+        "INSERT INTO public.notes (id, owner_id, title) \
+         VALUES ('00000000-0000-4000-8000-00000000abcd', 'ru', 'lost with the slot')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let start = Instant::now();
+    while ready(server.addr).await {
+        assert!(start.elapsed() < Duration::from_secs(30), "never unready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ok, out, _) = stream(&["status"]);
+    assert!(ok);
+    assert!(out.contains("stream generation: 1"), "{out}");
+    assert!(out.contains(", missing"), "{out}");
+    assert!(out.contains("capture: blocked (slot_lost)"), "{out}");
+
+    let (ok, _, err) = stream(&["reset"]);
+    assert!(!ok, "a reset needs --confirm");
+    assert!(err.contains("--confirm"), "{err}");
+    let generation: i64 = sqlx::query_scalar("SELECT generation FROM synchro.stream")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(generation, 1, "nothing changed");
+
+    let (ok, out, err) = stream(&["reset", "--confirm"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("generation 2"), "{out}");
+    wait_ready(server.addr, "the reset stream").await;
+    let (ok, out, _) = stream(&["status"]);
+    assert!(ok);
+    assert!(out.contains("stream generation: 2"), "{out}");
+    assert!(out.contains("baseline: materialized"), "{out}");
+    assert!(out.contains("capture: not blocked"), "{out}");
+    let projected: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM synchro.projections WHERE key = '00000000-0000-4000-8000-00000000abcd'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        projected, 1,
+        "the note written while the slot was gone is in the baseline"
+    );
+}

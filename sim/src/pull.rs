@@ -22,8 +22,8 @@ use std::time::Duration;
 use actors::capture::{EffectOp, SourceImage};
 use actors::store::{MemStore, Store, StoreTx};
 use actors::testkit::{
-    ConnectBody, cursor_bindings, cursor_position, mint_cursor, note_columns, note_mutation,
-    push_config,
+    ConnectBody, cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_columns,
+    note_mutation, push_config,
 };
 use invariants::pull::{EffectView, RebuildStep, Rebuilding, Replica};
 use invariants::rebuild::PageLog;
@@ -56,6 +56,9 @@ pub enum Mutant {
     CursorTooFar,
     /// One rebuild page loses one of its records.
     DropRecord,
+    /// After a stream reset, a pull judges a cursor of the old generation
+    /// current and continues from its position with a new one.
+    CrossGeneration,
 }
 
 /// Knobs of one pull run.
@@ -67,6 +70,8 @@ pub struct PullScenario {
     pub packet_loss: f64,
     pub server_crashes: usize,
     pub mutant: Option<Mutant>,
+    /// Mid-run, the slot is lost and an operator resets the stream (ADR 0012).
+    pub reset: bool,
 }
 
 impl Default for PullScenario {
@@ -78,6 +83,7 @@ impl Default for PullScenario {
             packet_loss: 0.03,
             server_crashes: 3,
             mutant: None,
+            reset: false,
         }
     }
 }
@@ -111,6 +117,12 @@ pub struct PullTrace {
     pub longest_capture_stall: Duration,
     /// Whether the planted mutant fired.
     pub mutated: bool,
+    /// Stream resets the operator made.
+    pub resets: usize,
+    /// Pulls that presented a cursor of an older stream generation.
+    pub stale_generations: usize,
+    /// Every push the server accepted: (client, note).
+    pub accepted: Vec<(String, String)>,
     /// Every checkpoint read, per (client, scope), in order.
     pub checkpoints: BTreeMap<(String, String), Vec<(u64, StreamPosition)>>,
 }
@@ -417,12 +429,21 @@ impl Client {
             sleep(Duration::from_millis(thread_rng().gen_range(4_000..6_000))).await;
         };
         let received = boundary_now(store).await;
+        let generation_now = {
+            let mut tx = store.begin().await.expect("begin");
+            tx.stream_state().await.expect("stream").generation
+        };
         if let Some(m) = self.mutant.filter(|m| *m != Mutant::DropRecord)
             && let Some(mutated) = mutate(m, &page, self, store, received).await
         {
             page = mutated;
             self.mutant = None;
             trace.lock().expect("trace").mutated = true;
+        }
+        // No cursor is installed across generations: a scope's next cursor
+        // belongs to the generation of the one it continues.
+        if let Err(v) = across_generations(store, &self.replica, &page, trace).await {
+            self.note(trace, format!("{}: {v}", self.client_id));
         }
         let applied = match self.replica.apply(&page) {
             Ok(a) => a,
@@ -457,7 +478,8 @@ impl Client {
             self.damaged.clear();
         }
         for s in &applied.cursors {
-            if let Err(v) = check_installed(store, s, &self.replica, received).await {
+            if let Err(v) = check_installed(store, s, &self.replica, received, generation_now).await
+            {
                 self.note(trace, format!("{}: {v}", self.client_id));
             }
         }
@@ -505,14 +527,53 @@ async fn check_installed(
     scope: &str,
     replica: &Replica,
     received: Boundary,
+    generation: u64,
 ) -> Result<(), String> {
     let local = &replica.scopes[scope];
     let Some(cursor) = &local.cursor else {
         return Ok(());
     };
+    if cursor_generation(store, cursor).await != generation {
+        // Issued before a reset that came since: stale, and the next pull
+        // sends the scope to rebuild. The old effects are gone with it.
+        return Ok(());
+    }
     let at = cursor_position(store, cursor).await;
     let effects = effects_of(store, scope, received).await;
     invariants::pull::check_cursor(scope, &effects, at, &local.rows)
+}
+
+/// `invariants::pull::check_generations` for a pull page: each cursor it
+/// returns against the one the client presented for that scope.
+async fn across_generations(
+    store: &MemStore,
+    replica: &Replica,
+    page: &[u8],
+    trace: &Mutex<PullTrace>,
+) -> Result<(), String> {
+    let Ok(v) = json::parse(page) else {
+        return Ok(()); // the replica reports a page that is not JSON
+    };
+    let Some(Value::Object(returned)) = v.as_object().and_then(|o| o.get("scope_cursors")) else {
+        return Ok(());
+    };
+    let current = {
+        let mut tx = store.begin().await.expect("begin");
+        tx.stream_state().await.expect("stream").generation
+    };
+    let mut pairs = Vec::new();
+    for (scope, local) in &replica.scopes {
+        if let Some(presented) = &local.cursor {
+            let before = cursor_generation(store, presented).await;
+            if before < current {
+                trace.lock().expect("trace").stale_generations += 1;
+            }
+            if let Some(Value::String(next)) = returned.get(scope) {
+                pairs.push((scope.clone(), before, cursor_generation(store, next).await));
+            }
+        }
+    }
+    invariants::pull::check_generations(&pairs)
 }
 
 /// The capture boundary now.
@@ -553,6 +614,36 @@ async fn mutate(
     };
     match m {
         Mutant::DropRecord => return None,
+        Mutant::CrossGeneration => {
+            let current = {
+                let mut tx = store.begin().await.ok()?;
+                tx.stream_state().await.ok()?.generation
+            };
+            let Some(Value::Array(rebuild)) = o.get("rebuild") else {
+                return None;
+            };
+            // A scope sent to rebuild because its cursor is of an older
+            // generation: the bug continues it from the old position instead.
+            let mut victim = None;
+            for s in rebuild {
+                let scope = s.as_str()?;
+                if let Some(token) = c.replica.scopes.get(scope).and_then(|l| l.cursor.clone())
+                    && cursor_generation(store, &token).await < current
+                {
+                    victim = Some((scope.to_owned(), cursor_position(store, &token).await));
+                    break;
+                }
+            }
+            let (scope, at) = victim?;
+            let b = cursor_bindings(store, &c.user, &c.client_id, c.generation, &scope, at).await;
+            let token = mint_cursor(store, &b).await;
+            if let Some(Value::Array(rebuild)) = o.get_mut("rebuild") {
+                rebuild.retain(|s| s.as_str() != Some(scope.as_str()));
+            }
+            if let Some(Value::Object(cursors)) = o.get_mut("scope_cursors") {
+                cursors.insert(scope, Value::string(token));
+            }
+        }
         Mutant::DropChange => {
             let Some(Value::Array(changes)) = o.get_mut("changes") else {
                 return None;
@@ -748,8 +839,17 @@ async fn push_one(
         ("mutations", Value::Array(vec![m])),
     ]));
     for _ in 0..200 {
-        let (status, _) = call(&mut c.link, &c.user, PUSH, &body, trace).await;
+        let (status, answer) = call(&mut c.link, &c.user, PUSH, &body, trace).await;
         if status != 503 {
+            let accepted = status == 200
+                && json::parse(&answer).is_ok_and(|v| actors::testkit::outcome(&v, 1 + p as u64).0);
+            if accepted {
+                trace
+                    .lock()
+                    .expect("trace")
+                    .accepted
+                    .push((c.client_id.clone(), id));
+            }
             return;
         }
         sleep(Duration::from_millis(100)).await;
@@ -918,6 +1018,11 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
     let stalls = database.spawn(capture_stalls(store.clone(), stop.clone()));
+    // A third of the way through the clients' pulls, so most come after it.
+    let reset_after = scenario.clients * scenario.pulls_per_client / 3;
+    let reset = scenario
+        .reset
+        .then(|| database.spawn(reset_operator(store.clone(), trace.clone(), reset_after)));
     let mut tasks = Vec::new();
     for i in 0..scenario.clients {
         let user = format!("user-{}", i % scenario.users);
@@ -956,6 +1061,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     }
     tripwire.disarm();
     crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    if let Some(r) = reset {
+        r.await.map_err(|e| format!("reset operator failed: {e}"))?;
+    }
     // Quiescence: the application and the operator stop, the link heals,
     // capture catches up, and every client pulls to a terminal page.
     stop.store(true, Ordering::Relaxed);
@@ -1028,5 +1136,47 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             }
         }
     }
+    drop(tx);
+    // No accepted push is lost: each reached its author (its own scope).
+    for (client_id, note) in &t.accepted {
+        let c = clients
+            .iter()
+            .find(|c| &c.client_id == client_id)
+            .ok_or("an unknown author")?;
+        let identity = protocol::digest::RowIdentity::new(
+            "tbl_notes",
+            "fld_notes_id",
+            &protocol::value::TypedValue::String(note.clone()),
+        );
+        let held = c
+            .replica
+            .scopes
+            .get(&format!("user:{}", c.user))
+            .is_some_and(|s| s.rows.contains_key(identity.as_bytes()));
+        if !held {
+            t.violations
+                .push(format!("{client_id}: the accepted push of {note} is lost"));
+        }
+    }
     Ok(t)
+}
+
+/// The operator's reset (ADR 0012), once mid-run (after `pages` pages, or
+/// a simulated minute):
+/// the slot is lost (the application keeps writing), capture blocks, then
+/// the stream is reset.
+async fn reset_operator(store: MemStore, trace: Arc<Mutex<PullTrace>>, pages: usize) {
+    for _ in 0..600 {
+        if trace.lock().expect("trace").pages >= pages {
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    sleep(Duration::from_millis(thread_rng().gen_range(0..3_000))).await;
+    store.lose_slot().await;
+    sleep(Duration::from_millis(thread_rng().gen_range(1_000..4_000))).await;
+    let mut tx = store.begin().await.expect("begin");
+    tx.reset_stream().await.expect("reset");
+    tx.commit().await.expect("commit");
+    trace.lock().expect("trace").resets += 1;
 }

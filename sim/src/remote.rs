@@ -77,6 +77,7 @@ enum Op {
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
     CompleteBaseline(Vec<u64>),
+    ResetStream,
     ScopeEffects(ScopeId, StreamPosition, Boundary),
     StreamState,
     MembershipRules,
@@ -140,6 +141,8 @@ enum Answer {
     WrittenAll(Result<Option<Vec<WriteResult>>, StoreError>),
     Refusal(Result<Option<Refusal>, StoreError>),
     Check(Result<Option<CaptureProblem>, StoreError>),
+    /// The new stream generation of a reset.
+    Generation(Result<u64, StoreError>),
     /// A feed: opened (leader), with the baseline it owes, or refused (standby).
     Feed(Result<Option<Option<Baseline>>, StoreError>),
     /// The next transaction if one came, and the feed's source end.
@@ -440,6 +443,7 @@ async fn transaction(
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
+            Op::ResetStream => (Answer::Generation(tx.reset_stream().await), false),
             Op::ScopeEffects(scope, after, through) => (
                 Answer::Effects(tx.scope_effects(&scope, after, through).await),
                 false,
@@ -999,6 +1003,13 @@ impl StoreTx for RemoteTx {
     async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
         match self.call(Op::Materialize(Box::new(m.clone()))).await? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn reset_stream(&mut self) -> Result<u64, StoreError> {
+        match self.call(Op::ResetStream).await? {
+            Answer::Generation(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -55,20 +55,23 @@ impl FeedTarget {
 
     /// The slot's name: slots are cluster-wide, so it names the database.
     pub fn slot(&self) -> String {
-        let db: String = self
-            .database
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_lowercase()
-                } else {
-                    '_'
-                }
-            })
-            .take(48)
-            .collect();
-        format!("synchro_{db}")
+        format!("synchro_{}", identifier(&self.database, 48))
     }
+}
+
+/// `name` as a bare identifier: lowercase ASCII letters, digits and `_`,
+/// at most `max` characters.
+fn identifier(name: &str, max: usize) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .take(max)
+        .collect()
 }
 
 pub(crate) fn quote_relation(relation: &str) -> String {
@@ -130,17 +133,7 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
     // The materializer finds a dependency relation's rows by the column a
     // rule joins on: one index per such column (an expression on the row's image).
     for (_, column) in &plan.dependency_keys {
-        let name: String = column
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() {
-                    c.to_ascii_lowercase()
-                } else {
-                    '_'
-                }
-            })
-            .take(40)
-            .collect();
+        let name = identifier(column, 40);
         let sql = format!(
             "CREATE INDEX IF NOT EXISTS dependency_rows_by_{name} \
              ON synchro.dependency_rows (relation, (image ->> {}))",

@@ -13,6 +13,7 @@ pub mod catalog;
 pub mod cluster;
 mod ledger;
 mod materialized;
+pub mod operator;
 pub mod pgoutput;
 mod push;
 mod rebuild;
@@ -425,6 +426,10 @@ impl StoreTx for PgTx {
 
     async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
         self.write_materialization(m).await
+    }
+
+    async fn reset_stream(&mut self) -> Result<u64, StoreError> {
+        self.write_stream_reset().await
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {

@@ -225,7 +225,9 @@ fn bind_projections<'q>(
 impl PgTx {
     pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         let r = sqlx::query(
-            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class FROM synchro.capture_progress",
+            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, \
+             NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done) \
+             FROM synchro.capture_progress",
         )
         .fetch_one(&mut *self.tx)
         .await
@@ -249,7 +251,34 @@ impl PgTx {
                 }),
                 _ => None,
             },
+            baseline_owed: r.try_get(4).map_err(db_error)?,
         })
+    }
+
+    pub(crate) async fn write_stream_reset(&mut self) -> Result<u64, StoreError> {
+        let generation: i64 = sqlx::query_scalar(
+            "UPDATE synchro.stream SET generation = generation + 1, \
+             retention_generation = retention_generation + 1, \
+             floor_lsn = -1, floor_event = 0, floor_effect = 0 RETURNING generation",
+        )
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        // Not published, so no capture of it; every row belongs to the old generation.
+        for sql in [
+            "TRUNCATE synchro.scope_effects, synchro.projections, synchro.scope_members, \
+             synchro.dependency_rows, synchro.source_transactions, synchro.client_checkpoints, \
+             synchro.rebuild_pages, synchro.rebuild_stage, synchro.rebuild_sessions",
+            "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
+             quarantine_lsn = NULL, quarantine_class = NULL",
+            "UPDATE synchro.capture_slot SET baseline_done = false",
+        ] {
+            sqlx::query(sql)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(db_error)?;
+        }
+        to_u64(generation)
     }
 
     pub(crate) async fn write_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
@@ -274,6 +303,7 @@ impl PgTx {
             "SELECT (extract(epoch FROM clock_timestamp() - h.heartbeat_at) * 1e6)::int8, \
                     (extract(epoch FROM clock_timestamp() - h.caught_up_at) * 1e6)::int8, \
                     coalesce(h.lag_bytes, 0), p.quarantine_class IS NOT NULL \
+                    OR NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done) \
              FROM synchro.capture_progress p LEFT JOIN synchro.capture_heartbeat h ON true",
         )
         .fetch_one(&mut *self.tx)
@@ -405,6 +435,16 @@ impl PgTx {
         m: &Materialization,
     ) -> Result<(), StoreError> {
         let tx = &mut *self.tx;
+        // A reset waits for this lock, and this write refuses once one ran.
+        let generation: i64 = sqlx::query_scalar("SELECT generation FROM synchro.stream FOR SHARE")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        if to_u64(generation)? != m.stream_generation {
+            return Err(StoreError::Unavailable(
+                "the stream was reset since capture read its progress".into(),
+            ));
+        }
         let advanced = sqlx::query(
             "UPDATE synchro.capture_progress SET commit_lsn = $1, end_lsn = $2, \
              quarantine_lsn = NULL, quarantine_class = NULL \

@@ -278,3 +278,19 @@ async fn existing_rows_arrive_as_the_baseline_on_postgres() {
     };
     actors::testkit::baseline_adopts_existing_rows(&world).await;
 }
+
+/// The operator stream reset on PostgreSQL (the shared suite): out of a
+/// slot dropped by hand, and out of a TRUNCATE nothing can repair.
+#[tokio::test]
+async fn a_stream_reset_recovers_on_postgres() {
+    let cluster = PgCluster::temp().unwrap();
+    for (name, broken) in [
+        ("reset_slot", actors::testkit::Broken::SlotLost),
+        ("reset_poison", actors::testkit::Broken::Poisoned),
+    ] {
+        let world = Pg {
+            store: example_store(&cluster, name).await,
+        };
+        actors::testkit::stream_reset_recovers(&world, broken).await;
+    }
+}

@@ -36,6 +36,7 @@ async fn an_unrepresentable_row_is_an_integrity_failure() {
     let engine = Engine::start(world.store.clone(), push_config())
         .await
         .unwrap();
+    actors::testkit::stream_begun(&world.store).await;
     let mut c = PullClient::connect(&world.store, &engine, "iu", "ic").await;
     c.sync(10).await;
     let n = pull_note(1);

@@ -411,6 +411,9 @@ pub struct Materialization {
     pub effects: Vec<Effect>,
     /// Fences this transaction satisfies.
     pub fences: Vec<u64>,
+    /// The stream generation the materializer read its progress in: a
+    /// store refuses the write once a reset began another one.
+    pub stream_generation: u64,
 }
 
 /// One row in one scope: an entry of the membership index.
@@ -441,7 +444,7 @@ pub struct CaptureHealth {
     pub caught_up_age: Option<Duration>,
     /// The lag the last heartbeat reported.
     pub lag_bytes: u64,
-    /// A quarantined transaction blocks capture.
+    /// A quarantined transaction, or a baseline still owed, blocks capture.
     pub blocked: bool,
 }
 
@@ -475,6 +478,9 @@ pub struct CaptureProgress {
     pub end_lsn: Lsn,
     /// The transaction that blocks capture, if any.
     pub quarantine: Option<Quarantine>,
+    /// The stream's baseline is not materialized yet (a new stream, or one
+    /// an operator reset): nothing is pull-visible until it is.
+    pub baseline_owed: bool,
 }
 
 /// A transaction that could not be materialized, or a broken installation;

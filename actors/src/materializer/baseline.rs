@@ -48,6 +48,7 @@ pub(super) async fn materialize<S: Store>(
     model: &Model,
     feed: &mut S::Feed,
     baseline: &Baseline,
+    generation: u64,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<BaselineOutcome, StoreError> {
     let began = Instant::now();
@@ -71,7 +72,8 @@ pub(super) async fn materialize<S: Store>(
             end_lsn <= chunk.commit_lsn && chunk.commit_lsn < chunk.end_lsn,
             "baseline chunks are positioned in order"
         );
-        let outcome = step::materialize_group(&mut tx, model, std::slice::from_ref(&chunk)).await?;
+        let mut outcome =
+            step::materialize_group(&mut tx, model, std::slice::from_ref(&chunk)).await?;
         if let Some((commit_lsn, problem)) = outcome.problem {
             drop(tx); // rolls back every chunk
             return Ok(BaselineOutcome::Quarantined {
@@ -79,7 +81,8 @@ pub(super) async fn materialize<S: Store>(
                 problem,
             });
         }
-        if let Some(m) = &outcome.combined {
+        if let Some(m) = &mut outcome.combined {
+            m.stream_generation = generation;
             tx.materialize(m).await?;
         }
         boundary = Boundary::TransactionEnd {

@@ -183,13 +183,15 @@ async fn commit_group<S: Store>(
     store: &S,
     model: &Model,
     group: &[crate::capture::SourceTransaction],
+    generation: u64,
     durable_end: Lsn,
     drained: bool,
     source_end: Lsn,
 ) -> Result<(step::GroupOutcome, u64), StoreError> {
     let mut tx = store.begin().await?;
-    let outcome = step::materialize_group(&mut tx, model, group).await?;
-    if let Some(m) = &outcome.combined {
+    let mut outcome = step::materialize_group(&mut tx, model, group).await?;
+    if let Some(m) = &mut outcome.combined {
+        m.stream_generation = generation;
         tx.materialize(m).await?;
     }
     if let Some((commit_lsn, problem)) = &outcome.problem {
@@ -218,11 +220,12 @@ async fn lead<S: Store>(
     limits: MaterializerLimits,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<(), StoreError> {
-    let progress = {
+    let (progress, generation) = {
         let mut tx = store.begin().await?;
         let p = tx.capture_progress().await?;
+        let generation = tx.stream_state().await?.generation;
         tx.commit().await?;
-        p
+        (p, generation)
     };
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
@@ -238,7 +241,7 @@ async fn lead<S: Store>(
             boundary == Boundary::GenerationStart,
             "a baseline is owed only before the stream's first transaction"
         );
-        match baseline::materialize(store, model, &mut feed, &owed, status).await? {
+        match baseline::materialize(store, model, &mut feed, &owed, generation, status).await? {
             baseline::BaselineOutcome::Done {
                 boundary: after,
                 end_lsn,
@@ -291,6 +294,15 @@ async fn lead<S: Store>(
             if let Some(problem) = store.check_capture().await? {
                 return block_installation(store, durable_end, problem, status).await;
             }
+            // An operator reset the stream (ADR 0012): this feed's slot is
+            // no longer the stream's. The next feed takes the new baseline.
+            let mut tx = store.begin().await?;
+            let reset = tx.stream_state().await?.generation != generation;
+            drop(tx);
+            if reset {
+                tracing::info!("capture: the stream was reset; reopening for its baseline");
+                return Ok(());
+            }
             caught_up = Instant::now();
             if blocked.is_none() {
                 status.send_replace(running(boundary, caught_up, 0));
@@ -335,11 +347,20 @@ async fn lead<S: Store>(
         let mut attempts = 1;
         let (outcome, lag) = loop {
             let source_end = feed.source_end();
-            let failure =
-                match commit_group(store, model, &group, durable_end, drained, source_end).await {
-                    Ok(done) => break done,
-                    Err(e) => e,
-                };
+            let failure = match commit_group(
+                store,
+                model,
+                &group,
+                generation,
+                durable_end,
+                drained,
+                source_end,
+            )
+            .await
+            {
+                Ok(done) => break done,
+                Err(e) => e,
+            };
             if !matches!(failure, StoreError::Unavailable(_)) || attempts == GROUP_ATTEMPTS {
                 return Err(failure);
             }

@@ -230,6 +230,13 @@ pub trait StoreTx: Send {
         m: &Materialization,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The operator stream reset (ADR 0012): a new stream generation, every
+    /// materialized state of the old one gone (projections, membership,
+    /// effects, dependency rows, progress, checkpoints, rebuild sessions),
+    /// and a baseline owed under a new slot. Pending fences stay: the new
+    /// baseline covers those it holds. Returns the new generation.
+    fn reset_stream(&mut self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// The baseline is materialized (in this transaction): the stream's
     /// slot is its own from now on, and `covered_fences` are satisfied.
     fn complete_baseline(

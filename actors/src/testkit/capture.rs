@@ -165,6 +165,34 @@ pub(crate) async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
     panic!("capture did not reach {lsn} in 10 s");
 }
 
+/// Completes the empty baseline that `feed`, the first of a fresh store,
+/// owes, as the materializer would; the feed, still leading.
+pub(crate) async fn complete_empty_baseline<S: Store>(store: &S, mut feed: S::Feed) -> S::Feed {
+    use crate::capture::ChangeFeed;
+    let owed = feed.baseline().cloned().unwrap();
+    assert_eq!((owed.rows, owed.covered_fences.len()), (0, 0));
+    assert!(feed.baseline_chunk().await.unwrap().is_none());
+    let mut tx = store.begin().await.unwrap();
+    tx.complete_baseline(&owed.covered_fences).await.unwrap();
+    tx.commit().await.unwrap();
+    feed
+}
+
+/// Waits (up to 10 s) until the stream has begun: the baseline is
+/// materialized, and pull and rebuild no longer answer `capture_blocked`.
+pub async fn stream_begun<S: Store>(store: &S) {
+    for _ in 0..2000 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        if !p.baseline_owed {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the baseline was not materialized in 10 s");
+}
+
 /// Waits (up to 2 s) until the engine's readiness is `want`.
 pub(super) async fn ready_becomes(engine: &Engine, want: bool, what: &str) {
     for _ in 0..400 {
@@ -568,6 +596,32 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     };
     use crate::store::StoreError;
 
+    // A new stream owes its baseline: capture counts as blocked until the
+    // first feed's (here empty) baseline is complete.
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.capture_progress().await.unwrap().baseline_owed);
+    assert!(
+        tx.capture_health().await.unwrap().blocked,
+        "a baseline owed blocks"
+    );
+    drop(tx);
+    store
+        .install_capture(&crate::capture::CapturePlan::new(&example_config(|s| s)))
+        .await
+        .unwrap();
+    let feed = store.change_feed().await.unwrap().unwrap();
+    complete_empty_baseline(store, feed).await;
+    let mut tx = store.begin().await.unwrap();
+    assert!(!tx.capture_progress().await.unwrap().baseline_owed);
+    assert!(
+        matches!(
+            tx.complete_baseline(&[]).await,
+            Err(StoreError::Integrity(_))
+        ),
+        "no baseline is owed twice"
+    );
+    drop(tx);
+
     // The shared heartbeat: nothing before the first, then ages by the
     // store's clock, the lag as reported, and a quarantine blocking.
     let mut tx = store.begin().await.unwrap();
@@ -672,6 +726,7 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
             end_lsn: lsn + 8,
             row_events: 1,
         }],
+        stream_generation: 1, // a fresh store's
         ..Materialization::default()
     };
 
@@ -936,5 +991,51 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
             .unwrap()
             .is_empty()
     );
+    tx.materialize(&at(450)).await.unwrap();
     tx.commit().await.unwrap();
+
+    // The stream reset: a new generation, nothing of the old one, a
+    // baseline owed; a write of the old generation is refused.
+    let mut tx = store.begin().await.unwrap();
+    let before = tx.stream_state().await.unwrap().generation;
+    assert_eq!(tx.reset_stream().await.unwrap(), before + 1);
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.stream_state().await.unwrap().generation, before + 1);
+    let p = tx.capture_progress().await.unwrap();
+    assert_eq!(
+        (p.boundary, p.end_lsn, p.quarantine, p.baseline_owed),
+        (Boundary::GenerationStart, 0, None, true)
+    );
+    assert!(tx.capture_health().await.unwrap().blocked);
+    assert!(tx.scope_members(&scope).await.unwrap().is_empty());
+    assert!(
+        tx.scope_effects(
+            &scope,
+            StreamPosition::GenerationStart,
+            Boundary::TransactionEnd { commit_lsn: 500 }
+        )
+        .await
+        .unwrap()
+        .is_empty()
+    );
+    assert!(
+        tx.dependency_rows_by_identity("public.note_shares", std::slice::from_ref(&share.identity))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        matches!(
+            tx.materialize(&at(500)).await,
+            Err(StoreError::Unavailable(_))
+        ),
+        "a write of the old generation"
+    );
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    let mut current = at(500);
+    current.stream_generation = before + 1;
+    tx.materialize(&current).await.unwrap();
+    drop(tx); // rolled back
 }

@@ -17,11 +17,11 @@ mod stream;
 mod transport;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
-    truncate_blocks,
+    stream_begun, truncate_blocks,
 };
 pub use pull::{
-    PullClient, cursor_bindings, cursor_position, mint_cursor, note_row, origin_cursor, pull_note,
-    pull_store_suite, pull_suite, pull_suite_via,
+    PullClient, cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_row,
+    origin_cursor, pull_note, pull_store_suite, pull_suite, pull_suite_via,
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
@@ -29,7 +29,7 @@ pub use push::{
     version_of,
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
-pub use stream::{baseline_adopts_existing_rows, slot_loss_blocks};
+pub use stream::{Broken, baseline_adopts_existing_rows, slot_loss_blocks, stream_reset_recovers};
 pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).

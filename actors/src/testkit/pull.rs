@@ -122,6 +122,17 @@ pub async fn cursor_position<S: Store>(store: &S, token: &str) -> StreamPosition
         .position
 }
 
+/// The stream generation a server cursor is bound to.
+pub async fn cursor_generation<S: Store>(store: &S, token: &str) -> u64 {
+    load_key_ring(store)
+        .await
+        .unwrap()
+        .verify_cursor(token)
+        .unwrap()
+        .scope
+        .stream_generation
+}
+
 /// A connected client that pulls into a [`Replica`].
 pub struct PullClient<S: Store> {
     pub store: S,
@@ -313,6 +324,8 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
         .await
         .unwrap();
     let feed = store.change_feed().await.unwrap().unwrap();
+    // The fresh database's baseline is empty: the stream begins at once.
+    let feed = super::capture::complete_empty_baseline(&store, feed).await;
     let node = Node::new(Engine::start(store.clone(), config).await.unwrap(), serve);
     capture_gates(world, &node, feed).await;
     request_errors(world, &node).await;
@@ -1080,6 +1093,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
                 row_events: 1,
             }],
             effects: vec![effect(lsn, k)],
+            stream_generation: 1, // a fresh store's
             ..Materialization::default()
         };
         let mut tx = store.begin().await.unwrap();
@@ -1147,6 +1161,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             })
             .to_vec(),
         effects: vec![effect(400, 1), effect(500, 1)],
+        stream_generation: 1, // a fresh store's
         ..Materialization::default()
     };
     let mut tx = store.begin().await.unwrap();

@@ -224,3 +224,119 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
     assert_eq!(status, 200, "{body:?}");
     assert!(super::push::outcome(&body, 1).0, "{body:?}");
 }
+
+/// What blocks capture before the operator resets the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Broken {
+    /// The slot was dropped behind the server's back.
+    SlotLost,
+    /// A transaction that cannot be materialized and cannot be repaired
+    /// (a TRUNCATE of a registered table).
+    Poisoned,
+}
+
+/// The operator stream reset (ADR 0012) is the way out of a lost slot or
+/// an unrepairable quarantine: a new stream generation whose baseline holds
+/// every row, the commits the old stream lost included. Every old cursor is
+/// stale (the pull sends the scope to rebuild), an old rebuild continuation
+/// answers `409 rebuild_restart_required`, and after a rebuild the client
+/// holds exactly the database's rows; later writes and pushes arrive by
+/// pull. The world must be fresh.
+pub async fn stream_reset_recovers<W: CaptureWorld>(world: &W, broken: Broken) {
+    let store = world.store().clone();
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    ready_becomes(&engine, true, "capture runs").await;
+    let node = Node::from(&engine);
+    for n in 0..3 {
+        let lsn = note(world, 700 + n).await;
+        progress_reaches(&store, lsn).await;
+    }
+    let mut c = PullClient::connect(&store, &node, "sl-u", "rs-c").await;
+    c.sync(10).await;
+    assert_eq!(c.replica.scopes["user:sl-u"].rows.len(), 3);
+    // A rebuild attempt left half-done: its continuation from the old stream.
+    let mut attempt = c.new_attempt("user:sl-u");
+    let r = node
+        .send(Route::Rebuild, "sl-u", c.rebuild_body(&attempt, 1))
+        .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    c.replica.apply_rebuild(&mut attempt, &r.body).unwrap();
+    assert!(attempt.continuation.is_some());
+
+    match broken {
+        Broken::SlotLost => {
+            world.lose_slot().await;
+            note(world, 710).await; // lost with the slot
+            blocked(&engine).await;
+        }
+        Broken::Poisoned => {
+            ready_becomes(&engine, true, "capture runs").await;
+            world
+                .write(&[Write::Delete("public.notes", &[("id", &pull_note(700))])])
+                .await;
+            world.write(&[Write::Truncate("public.templates")]).await;
+            note(world, 710).await; // waits behind the quarantine
+            for _ in 0..1000 {
+                if engine.capture_status() == CaptureStatus::Blocked(CaptureProblem::Truncate) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(
+                engine.capture_status(),
+                CaptureStatus::Blocked(CaptureProblem::Truncate)
+            );
+        }
+    }
+    ready_becomes(&engine, false, "capture is blocked").await;
+    let generation = {
+        let mut tx = store.begin().await.unwrap();
+        let g = tx.stream_state().await.unwrap().generation;
+        drop(tx);
+        g
+    };
+
+    // The operator's reset.
+    let mut tx = store.begin().await.unwrap();
+    let reset_to = tx.reset_stream().await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(reset_to, generation + 1);
+    ready_becomes(&engine, true, "the new stream's baseline is materialized").await;
+
+    // The old cursor is stale: the scope goes to rebuild.
+    let (status, body, _) = c.send(c.body(10)).await;
+    assert_eq!(status, 200, "{body:?}");
+    let Value::Array(rebuild) = &body.as_object().unwrap()["rebuild"] else {
+        panic!("no rebuild: {body:?}");
+    };
+    assert!(rebuild.contains(&Value::string("user:sl-u")), "{body:?}");
+    // The old continuation: the session is gone with its stream.
+    let r = node
+        .send(Route::Rebuild, "sl-u", c.rebuild_body(&attempt, 1))
+        .await;
+    let v = json::parse(&r.body).unwrap();
+    assert_eq!(
+        (
+            r.status,
+            v.as_object().unwrap()["error"].as_object().unwrap()["code"].clone()
+        ),
+        (409, Value::string("rebuild_restart_required"))
+    );
+    // After a rebuild, the client holds exactly the database's rows: the
+    // note committed after the loss (or behind the poison) included, the
+    // deleted one gone.
+    c.replica.scopes.get_mut("user:sl-u").unwrap().cursor = None;
+    c.sync(10).await;
+    let expected = match broken {
+        Broken::SlotLost => 4,
+        Broken::Poisoned => 3,
+    };
+    assert_eq!(c.replica.scopes["user:sl-u"].rows.len(), expected);
+    // The stream goes on: a push and a direct write arrive by pull.
+    let (status, body) = c.push_note(9201, 720).await;
+    assert_eq!(status, 200, "{body:?}");
+    let lsn = note(world, 721).await;
+    progress_reaches(&store, lsn).await;
+    c.sync(10).await;
+    assert_eq!(c.replica.scopes["user:sl-u"].rows.len(), expected + 2);
+}

@@ -134,6 +134,7 @@ impl CaptureState {
                 boundary: Boundary::GenerationStart,
                 end_lsn: 0,
                 quarantine: None,
+                baseline_owed: true,
             },
             projections: BTreeMap::new(),
             dependencies: BTreeMap::new(),
@@ -270,6 +271,25 @@ impl CaptureState {
             covered_fences: self.pending_fences.keys().copied().collect(),
         };
         Ok((baseline, out))
+    }
+
+    /// A stream reset: the materialized state of the old generation is
+    /// gone, and a baseline is owed under a new slot (the next feed's).
+    pub(super) fn reset_stream(&mut self) {
+        self.projections.clear();
+        self.members.clear();
+        self.effects.clear();
+        self.dependencies.clear();
+        self.materialized.clear();
+        self.progress = CaptureProgress {
+            boundary: Boundary::GenerationStart,
+            end_lsn: 0,
+            quarantine: None,
+            baseline_owed: true,
+        };
+        self.baseline_done = false;
+        self.baseline_span = None;
+        self.slot_lost = false;
     }
 
     /// Drops the unacknowledged WAL (with the slot that retained it).
@@ -520,7 +540,10 @@ impl MemTx {
     }
 
     pub(super) fn capture_progress(&self) -> CaptureProgress {
-        self.work.capture.progress.clone()
+        CaptureProgress {
+            baseline_owed: !self.work.capture.baseline_done,
+            ..self.work.capture.progress.clone()
+        }
     }
 
     pub(super) fn scope_members(
@@ -616,6 +639,11 @@ impl MemTx {
     }
 
     pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        if m.stream_generation != self.work.stream.generation {
+            return Err(StoreError::Unavailable(
+                "the stream was reset since capture read its progress".into(),
+            ));
+        }
         let c = &mut self.work.capture;
         if let Boundary::TransactionEnd { commit_lsn } = c.progress.boundary
             && m.commit_lsn <= commit_lsn
@@ -688,18 +716,25 @@ impl MemTx {
             },
             end_lsn: m.end_lsn,
             quarantine: None,
+            baseline_owed: c.progress.baseline_owed,
         };
         Ok(())
     }
 
-    pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) {
+    pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         let c = &mut self.work.capture;
+        if c.baseline_done {
+            return Err(StoreError::Integrity(
+                "no baseline is owed: the stream's slot is not a candidate".into(),
+            ));
+        }
         c.baseline_done = true;
         c.fences_done.extend(covered_fences.iter().copied());
         for f in covered_fences {
             c.pending_fences.remove(f);
         }
         c.progress.quarantine = None;
+        Ok(())
     }
 
     pub(super) fn quarantine(&mut self, q: &Quarantine) {

@@ -254,6 +254,8 @@ pub struct MemTx {
     group: Option<Box<State>>,
     wrote_checkpoints: bool,
     failing_checkpoint_commits: Arc<AtomicUsize>,
+    /// The store's lost-slot flag, which a stream reset clears at commit.
+    slot_lost: Arc<AtomicBool>,
 }
 
 impl Store for MemStore {
@@ -270,6 +272,7 @@ impl Store for MemStore {
             group: None,
             wrote_checkpoints: false,
             failing_checkpoint_commits: self.failing_checkpoint_commits.clone(),
+            slot_lost: self.slot_lost.clone(),
         })
     }
 
@@ -426,7 +429,7 @@ impl StoreTx for MemTx {
             heartbeat_age: c.heartbeat.map(|(at, _, _)| age(at)),
             caught_up_age: c.heartbeat.and_then(|(_, caught_up, _)| caught_up.map(age)),
             lag_bytes: c.heartbeat.map_or(0, |(_, _, lag)| lag),
-            blocked: c.progress.quarantine.is_some(),
+            blocked: c.progress.quarantine.is_some() || !c.baseline_done,
         })
     }
 
@@ -481,9 +484,21 @@ impl StoreTx for MemTx {
         MemTx::materialize(self, m)
     }
 
+    async fn reset_stream(&mut self) -> Result<u64, StoreError> {
+        let w = &mut self.work;
+        w.stream = crate::stream::StreamState {
+            generation: w.stream.generation + 1,
+            retention_generation: w.stream.retention_generation + 1,
+            ..crate::stream::StreamState::default()
+        };
+        w.checkpoints.clear();
+        w.rebuilds = rebuild::Rebuilds::default();
+        w.capture.reset_stream();
+        Ok(w.stream.generation)
+    }
+
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
-        MemTx::complete_baseline(self, covered_fences);
-        Ok(())
+        MemTx::complete_baseline(self, covered_fences)
     }
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
@@ -765,8 +780,10 @@ impl StoreTx for MemTx {
             mut guard,
             work,
             log_len: sender,
+            slot_lost,
             ..
         } = self;
+        slot_lost.store(work.capture.slot_lost, Ordering::Release);
         *guard = work;
         if let Some(n) = log_len {
             sender.send_replace(n);
