@@ -308,11 +308,15 @@ pub async fn rebuild_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     request_errors(world, &node).await;
     pages_and_handoff(world, &node).await;
     sizes(world, &node).await;
-    // On an engine of its own: its sessions live on the suite's clock
-    // (`NOW`), and the sweep of an engine that served real-clock requests
-    // would find them long expired.
-    let own = node.with(Engine::start(store.clone(), push_config()).await.unwrap());
-    stale_sessions(world, &own).await;
+    // On an engine of its own, called directly: its sessions and every
+    // request it answers live on the suite's clock (`NOW`, which travels
+    // forward here). A request over HTTP carries the real clock, later than
+    // `NOW`, and would wake the sweep to find these sessions long expired.
+    // The first engine's sweep gets no request after `sizes`; its last pass
+    // (at most one pause after that request) ends before the sessions here begin.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let own = Engine::start(store.clone(), push_config()).await.unwrap();
+    stale_sessions(world, &Node::from(&own)).await;
     changed_rules(world, &node).await;
 }
 
