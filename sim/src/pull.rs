@@ -119,6 +119,8 @@ pub struct PullTrace {
     pub mutated: bool,
     /// Stream resets the operator made.
     pub resets: usize,
+    /// Clients that applied a pull page (and so hold cursors).
+    pub pulled: BTreeSet<String>,
     /// Pulls that presented a cursor of an older stream generation.
     pub stale_generations: usize,
     /// Every push the server accepted: (client, note).
@@ -459,6 +461,7 @@ impl Client {
             let mut t = trace.lock().expect("trace");
             t.pages += 1;
             t.changes += applied.changes;
+            t.pulled.insert(self.client_id.clone());
         }
         for s in &applied.mismatched {
             if self.damaged.remove(s) {
@@ -782,7 +785,10 @@ async fn client_main(
         // Now and then the client reconnects presenting an old generation
         // (as a restored device does): it is renewed, so every cursor it
         // holds is stale, and the next pull sends each scope to rebuild.
-        if p > 0 && thread_rng().gen_bool(0.05) {
+        // (The cross-generation bug's client keeps its cursors for the
+        // reset to make stale: it neither reconnects nor loses a scope.)
+        let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
+        if p > 0 && !keeps_cursors && thread_rng().gen_bool(0.05) {
             c.reconnect(&trace).await;
         }
         // (The planted record-losing bug needs a rebuild with records:
@@ -793,7 +799,7 @@ async fn client_main(
                     l.cursor = None;
                 }
             }
-        } else if p > 0 && thread_rng().gen_bool(0.15) {
+        } else if p > 0 && !keeps_cursors && thread_rng().gen_bool(0.15) {
             let scopes: Vec<String> = c.replica.scopes.keys().cloned().collect();
             if !scopes.is_empty() {
                 let lost = &scopes[thread_rng().gen_range(0..scopes.len())];
@@ -1018,11 +1024,17 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
     let stalls = database.spawn(capture_stalls(store.clone(), stop.clone()));
-    // A third of the way through the clients' pulls, so most come after it.
+    // A third of the way through the clients' pulls, so most come after
+    // it, and once every client holds cursors of the old generation.
     let reset_after = scenario.clients * scenario.pulls_per_client / 3;
-    let reset = scenario
-        .reset
-        .then(|| database.spawn(reset_operator(store.clone(), trace.clone(), reset_after)));
+    let reset = scenario.reset.then(|| {
+        database.spawn(reset_operator(
+            store.clone(),
+            trace.clone(),
+            reset_after,
+            scenario.clients,
+        ))
+    });
     let mut tasks = Vec::new();
     for i in 0..scenario.clients {
         let user = format!("user-{}", i % scenario.users);
@@ -1161,14 +1173,22 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     Ok(t)
 }
 
-/// The operator's reset (ADR 0012), once mid-run (after `pages` pages, or
-/// a simulated minute):
-/// the slot is lost (the application keeps writing), capture blocks, then
-/// the stream is reset.
-async fn reset_operator(store: MemStore, trace: Arc<Mutex<PullTrace>>, pages: usize) {
-    for _ in 0..600 {
-        if trace.lock().expect("trace").pages >= pages {
-            break;
+/// The operator's reset (ADR 0012), once mid-run: after `pages` pages and
+/// a page applied by each of the `clients` (or five simulated minutes), the
+/// slot is lost (the application keeps writing), capture blocks, then the
+/// stream is reset.
+async fn reset_operator(
+    store: MemStore,
+    trace: Arc<Mutex<PullTrace>>,
+    pages: usize,
+    clients: usize,
+) {
+    for _ in 0..3000 {
+        {
+            let t = trace.lock().expect("trace");
+            if t.pages >= pages && t.pulled.len() >= clients {
+                break;
+            }
         }
         sleep(Duration::from_millis(100)).await;
     }
