@@ -72,9 +72,6 @@ pub(super) struct CaptureState {
     /// The slot was dropped or invalidated: no feed opens, and the WAL it
     /// held is gone.
     pub(super) slot_lost: bool,
-    /// The baseline of the rows that existed before the stream is
-    /// materialized; until then, every feed opens with a new one.
-    pub(super) baseline_done: bool,
     /// The positions of the last baseline exported: its first chunk's
     /// commit, and the slot's first position (`None`: no row in it).
     pub(super) baseline_span: Option<(Lsn, Lsn)>,
@@ -125,7 +122,6 @@ impl CaptureState {
             next_lsn: LSN_STEP,
             slot_ack: 0,
             slot_lost: false,
-            baseline_done: false,
             baseline_span: None,
             baseline_versions: BTreeMap::new(),
             baseline_without_dependencies: false,
@@ -287,7 +283,6 @@ impl CaptureState {
             quarantine: None,
             baseline_owed: true,
         };
-        self.baseline_done = false;
         self.baseline_span = None;
         self.slot_lost = false;
     }
@@ -540,10 +535,7 @@ impl MemTx {
     }
 
     pub(super) fn capture_progress(&self) -> CaptureProgress {
-        CaptureProgress {
-            baseline_owed: !self.work.capture.baseline_done,
-            ..self.work.capture.progress.clone()
-        }
+        self.work.capture.progress.clone()
     }
 
     pub(super) fn scope_members(
@@ -723,12 +715,12 @@ impl MemTx {
 
     pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         let c = &mut self.work.capture;
-        if c.baseline_done {
+        if !c.progress.baseline_owed {
             return Err(StoreError::Integrity(
                 "no baseline is owed: the stream's slot is not a candidate".into(),
             ));
         }
-        c.baseline_done = true;
+        c.progress.baseline_owed = false;
         c.fences_done.extend(covered_fences.iter().copied());
         for f in covered_fences {
             c.pending_fences.remove(f);
@@ -842,9 +834,9 @@ impl MemFeed {
         let (delivered_end, baseline, chunks) = {
             let mut state = store.state.lock().await;
             let c = &mut state.capture;
-            let (baseline, chunks) = match c.baseline_done {
-                true => (None, VecDeque::new()),
-                false => {
+            let (baseline, chunks) = match c.progress.baseline_owed {
+                false => (None, VecDeque::new()),
+                true => {
                     let (b, chunks) = c.export_baseline()?;
                     (Some(b), chunks)
                 }

@@ -135,16 +135,15 @@ impl MemStore {
     /// completed, or when it held no row. Every commit below the first is in it.
     pub async fn baseline_span(&self) -> Option<(crate::capture::Lsn, crate::capture::Lsn)> {
         let state = self.state.lock().await;
-        state
-            .capture
-            .baseline_done
-            .then_some(state.capture.baseline_span)
+        let c = &state.capture;
+        (!c.progress.baseline_owed)
+            .then_some(c.baseline_span)
             .flatten()
     }
 
     /// Whether the baseline is materialized.
     pub async fn baseline_done(&self) -> bool {
-        self.state.lock().await.capture.baseline_done
+        !self.state.lock().await.capture.progress.baseline_owed
     }
 
     /// The version each registered row had in the last baseline exported, by key.
@@ -429,7 +428,7 @@ impl StoreTx for MemTx {
             heartbeat_age: c.heartbeat.map(|(at, _, _)| age(at)),
             caught_up_age: c.heartbeat.and_then(|(_, caught_up, _)| caught_up.map(age)),
             lag_bytes: c.heartbeat.map_or(0, |(_, _, lag)| lag),
-            blocked: c.progress.quarantine.is_some() || !c.baseline_done,
+            blocked: c.progress.quarantine.is_some() || c.progress.baseline_owed,
         })
     }
 
