@@ -222,16 +222,38 @@ fn bind_projections<'q>(
     )
 }
 
-impl PgTx {
-    pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
-        let r = sqlx::query(
-            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, \
-             NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done) \
-             FROM synchro.capture_progress",
-        )
-        .fetch_one(&mut *self.tx)
+/// Whether the stream owes its baseline (ADR 0011): no slot of it is
+/// recorded done. One condition for progress and health.
+const BASELINE_OWED: &str = "NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done)";
+
+/// Satisfies client-write fences: a materialized transaction's, or those a
+/// baseline's snapshot holds.
+async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(), StoreError> {
+    if fences.is_empty() {
+        return Ok(());
+    }
+    let fences = fences
+        .iter()
+        .map(|f| to_i64(*f))
+        .collect::<Result<Vec<_>, _>>()?;
+    sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
+        .bind(fences)
+        .execute(tx)
         .await
         .map_err(db_error)?;
+    Ok(())
+}
+
+impl PgTx {
+    pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
+        let sql = format!(
+            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, {BASELINE_OWED} \
+             FROM synchro.capture_progress"
+        );
+        let r = sqlx::query(&sql)
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
         let commit: Option<i64> = r.try_get(0).map_err(db_error)?;
         let q_lsn: Option<i64> = r.try_get(2).map_err(db_error)?;
         let q_class: Option<String> = r.try_get(3).map_err(db_error)?;
@@ -299,16 +321,16 @@ impl PgTx {
 
     pub(crate) async fn read_capture_health(&mut self) -> Result<CaptureHealth, StoreError> {
         // Ages by the database's clock: every process reads the same one.
-        let r = sqlx::query(
+        let sql = format!(
             "SELECT (extract(epoch FROM clock_timestamp() - h.heartbeat_at) * 1e6)::int8, \
                     (extract(epoch FROM clock_timestamp() - h.caught_up_at) * 1e6)::int8, \
-                    coalesce(h.lag_bytes, 0), p.quarantine_class IS NOT NULL \
-                    OR NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done) \
-             FROM synchro.capture_progress p LEFT JOIN synchro.capture_heartbeat h ON true",
-        )
-        .fetch_one(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
+                    coalesce(h.lag_bytes, 0), p.quarantine_class IS NOT NULL OR {BASELINE_OWED} \
+             FROM synchro.capture_progress p LEFT JOIN synchro.capture_heartbeat h ON true"
+        );
+        let r = sqlx::query(&sql)
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
         let age = |micros: Option<i64>| {
             micros.map(|m| std::time::Duration::from_micros(u64::try_from(m).unwrap_or(0)))
         };
@@ -632,19 +654,7 @@ impl PgTx {
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;
         }
-        if !m.fences.is_empty() {
-            let fences = m
-                .fences
-                .iter()
-                .map(|f| to_i64(*f))
-                .collect::<Result<Vec<_>, _>>()?;
-            sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
-                .bind(fences)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?;
-        }
-        Ok(())
+        satisfy_fences(tx, &m.fences).await
     }
 
     pub(crate) async fn write_baseline_done(
@@ -662,15 +672,7 @@ impl PgTx {
                 "no baseline is owed: the stream's slot is not a candidate".into(),
             ));
         }
-        let fences = covered_fences
-            .iter()
-            .map(|f| to_i64(*f))
-            .collect::<Result<Vec<_>, _>>()?;
-        sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
-            .bind(fences)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(db_error)?;
+        satisfy_fences(&mut self.tx, covered_fences).await?;
         sqlx::query(
             "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
         )
