@@ -2,7 +2,11 @@
 //! serve` process adopts a database that already holds 1,000,000 rows
 //! (notes, and shares of every fourth note), against a plain `COPY (SELECT
 //! ...) TO STDOUT` of the same tables read by a client in the same run.
-//! Reports rows/s, the ratio to COPY, and the server's peak RSS.
+//! Reports rows/s, the ratio to COPY, and the server's peak RSS. Then, as
+//! the floor of any baseline that materializes: the time to write the
+//! baseline's own projections, membership and dependency rows again into
+//! empty tables of the same shape and indexes (`INSERT ... SELECT`, one
+//! transaction, nothing computed), and the baseline's ratio to it.
 //!
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
 //! sets the row count).
@@ -98,15 +102,50 @@ async fn main() {
         .await
         .unwrap();
     assert_eq!(projected as usize, notes, "every note is projected");
+    let floor = write_floor(&pool).await;
     println!(
         "baseline of {rows} rows ({notes} notes, {} shares): {:.2} s, {:.0} rows/s; \
-         COPY of the same tables ({:.0} MB): {:.2} s; ratio {:.2}x; server peak RSS {:.1} MB",
+         COPY of the same tables ({:.0} MB): {:.2} s; ratio {:.2}x; server peak RSS {:.1} MB; \
+         write floor {:.2} s ({:.2}x COPY), baseline {:.2}x the floor",
         rows - notes,
         baseline.as_secs_f64(),
         rows as f64 / baseline.as_secs_f64(),
         bytes as f64 / 1e6,
         copy.as_secs_f64(),
         baseline.as_secs_f64() / copy.as_secs_f64(),
-        peak as f64 / 1024.0
+        peak as f64 / 1024.0,
+        floor.as_secs_f64(),
+        floor.as_secs_f64() / copy.as_secs_f64(),
+        baseline.as_secs_f64() / floor.as_secs_f64()
     );
+}
+
+/// The time to write the baseline's materialized rows again, as plainly as
+/// PostgreSQL can: into empty copies of their tables (columns and indexes),
+/// in one transaction, with a checkpoint before so it starts clean.
+async fn write_floor(pool: &PgPool) -> Duration {
+    const TABLES: [&str; 3] = ["projections", "scope_members", "dependency_rows"];
+    let mut conn = pool.acquire().await.unwrap();
+    for t in TABLES {
+        sqlx::raw_sql(&format!(
+            "CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
+        ))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    }
+    sqlx::raw_sql("CHECKPOINT")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let copies: String = TABLES
+        .iter()
+        .map(|t| format!("INSERT INTO public.floor_{t} SELECT * FROM synchro.{t};"))
+        .collect();
+    sqlx::raw_sql(&format!("BEGIN; {copies} COMMIT;"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    start.elapsed()
 }
