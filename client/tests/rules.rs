@@ -604,3 +604,150 @@ async fn a_rebuild_restarts_with_a_new_attempt() {
     assert_eq!(rebuilds.len(), 8, "1 + 1 + 3 + 3 pages");
     assert_eq!(titles(&b), titles(&a));
 }
+
+/// A connect answer as the engine would send it, with `schema` members
+/// (`action` and what it needs) and `extra` top-level members.
+fn connect_answer(c: &Device, schema: &[(&str, Value)], extra: &[(&str, Value)]) -> Answer {
+    let m = c.manifest().unwrap().reference();
+    let mut s: json::Object = [
+        ("version".to_owned(), Value::int(m.version as i64)),
+        ("hash".to_owned(), Value::string(m.hash.to_hex())),
+    ]
+    .into_iter()
+    .collect();
+    s.extend(schema.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    let mut o: json::Object = [
+        ("server_time", Value::string("2026-12-01T00:00:00.000000Z")),
+        ("protocol_version", Value::int(3)),
+        (
+            "client_generation",
+            Value::int(c.session().generation.unwrap() as i64),
+        ),
+        (
+            "scope_set_version",
+            Value::int(c.session().scope_set_version as i64),
+        ),
+        ("schema", Value::Object(s)),
+        (
+            "scopes",
+            json::object([
+                ("add", Value::Array(vec![])),
+                ("remove", Value::Array(vec![])),
+            ]),
+        ),
+        ("scope_cursor_updates", Value::Object(json::Object::new())),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    o.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    Answer {
+        status: 200,
+        retry_after: None,
+        body: json::to_canonical(&Value::Object(o)),
+    }
+}
+
+/// Each schema action: `rebuild_local` rebuilds exactly the affected
+/// scopes, a definition that does not verify (or one that `none` forbids)
+/// changes nothing, and `unsupported` stops push and pull until the
+/// explicit schema reset.
+#[tokio::test]
+async fn schema_actions_are_applied_as_the_spec_says() {
+    let w = world(8).await;
+    let mut a = device(&w, "u1", "device-a", 12);
+    a.connect().await.unwrap();
+    a.pull().await.unwrap();
+    assert!(
+        a.session().scopes.values().all(Option::is_some),
+        "every scope has a cursor"
+    );
+    let definition = a.manifest().unwrap().to_json();
+    let once = |answer: Answer| {
+        let mut answer = Some(answer);
+        move |e: Endpoint, _| match (e, answer.take()) {
+            (Endpoint::Connect, Some(a)) => Fault::Answer(a),
+            _ => Fault::Pass,
+        }
+    };
+
+    let answer = connect_answer(
+        &a,
+        &[("action", Value::string("rebuild_local"))],
+        &[
+            ("schema_definition", definition.clone()),
+            (
+                "affected_scopes",
+                Value::Array(vec![Value::string("user:u1")]),
+            ),
+        ],
+    );
+    a.transport_mut().plan(once(answer));
+    a.connect().await.unwrap();
+    assert_eq!(
+        a.session().scopes["user:u1"],
+        None,
+        "the affected scope is rebuilt"
+    );
+    assert!(
+        a.session().scopes["templates_public"].is_some(),
+        "and only it"
+    );
+    let report = a.pull().await.unwrap();
+    assert_eq!(report.rebuilt, vec!["user:u1".to_owned()]);
+
+    let before = a.session().clone();
+    let forbidden = connect_answer(
+        &a,
+        &[("action", Value::string("none"))],
+        &[("schema_definition", definition.clone())],
+    );
+    a.transport_mut().plan(once(forbidden));
+    assert!(matches!(a.connect().await, Err(SyncError::Integrity(_))));
+    let mut forged = definition.clone();
+    if let Value::Object(o) = &mut forged {
+        o.insert("schema_hash".into(), Value::string("0".repeat(64)));
+    }
+    let unverified = connect_answer(
+        &a,
+        &[("action", Value::string("replace"))],
+        &[("schema_definition", forged)],
+    );
+    a.transport_mut().plan(once(unverified));
+    assert!(matches!(a.connect().await, Err(SyncError::Integrity(_))));
+    assert_eq!(
+        a.session(),
+        &before,
+        "a refused connect answer changes nothing"
+    );
+
+    let unsupported = connect_answer(
+        &a,
+        &[
+            ("action", Value::string("unsupported")),
+            ("reason", Value::string("unknown_schema_lineage")),
+        ],
+        &[],
+    );
+    a.transport_mut().plan(once(unsupported));
+    a.connect().await.unwrap();
+    a.write(&insert_note(1, "kept while unsupported")).unwrap();
+    let stopped = Err(SyncError::Unsupported("unknown_schema_lineage".into()));
+    assert_eq!(a.push().await.map(|_| ()), stopped);
+    assert_eq!(a.pull().await.map(|_| ()), stopped);
+    let pushes = a.transport_mut().sent(Endpoint::Push).len();
+    assert_eq!(pushes, 0, "no push was sent");
+    // The explicit recovery: the server rebuilds every assigned scope.
+    a.reset_schema().await.unwrap();
+    assert_eq!(a.session().unsupported, None);
+    assert!(
+        a.session().scopes.values().all(Option::is_none),
+        "every scope is rebuilt"
+    );
+    let pushed = a.push().await.unwrap();
+    assert_eq!(
+        pushed.outcomes[0].status, "applied",
+        "the kept write is sent"
+    );
+    converge(&mut a, 1).await;
+}
