@@ -87,6 +87,8 @@ pub enum SyncError {
     Refused {
         status: u16,
         code: String,
+        /// The server's bounded message (it carries no value or identity).
+        message: String,
     },
     /// Connect answered `unsupported` (its reason): no push, pull or rebuild.
     Unsupported(String),
@@ -102,7 +104,11 @@ impl std::fmt::Display for SyncError {
             SyncError::Local(e) => write!(f, "{e}"),
             SyncError::Unreachable(e) => write!(f, "the server is unreachable: {e}"),
             SyncError::Unavailable(c) => write!(f, "the server is unavailable ({c})"),
-            SyncError::Refused { status, code } => write!(f, "refused: {status} {code}"),
+            SyncError::Refused {
+                status,
+                code,
+                message,
+            } => write!(f, "refused: {status} {code}: {message}"),
             SyncError::Unsupported(r) => write!(f, "the installed schema is unsupported ({r})"),
             SyncError::Integrity(e) => write!(f, "integrity: {e}"),
             SyncError::NotConnected => write!(f, "not connected"),
@@ -158,6 +164,7 @@ pub struct RowView {
 /// An error body's members a client branches on.
 struct ErrorBody {
     code: String,
+    message: String,
     retryable: bool,
 }
 
@@ -166,12 +173,25 @@ fn error_body(body: &[u8]) -> Option<ErrorBody> {
     let e = v.as_object()?.get("error")?.as_object()?;
     Some(ErrorBody {
         code: e.get("code")?.as_str()?.to_owned(),
+        message: e.get("message")?.as_str()?.to_owned(),
         retryable: matches!(e.get("retryable")?, Value::Bool(true)),
     })
 }
 
 fn code_of(a: &Answer) -> String {
     error_body(&a.body).map_or_else(|| "unreadable".into(), |e| e.code)
+}
+
+/// The terminal error an answer is.
+fn refused(a: &Answer) -> SyncError {
+    let e = error_body(&a.body);
+    SyncError::Refused {
+        status: a.status,
+        code: e
+            .as_ref()
+            .map_or_else(|| "unreadable".into(), |e| e.code.clone()),
+        message: e.map(|e| e.message).unwrap_or_default(),
+    }
 }
 
 /// A Synchro client over a local store and a transport.
@@ -182,6 +202,9 @@ pub struct Client<S: LocalStore, T: Transport> {
     rng: ChaCha8Rng,
     session: Session,
     manifest: Option<Manifest>,
+    /// Scopes whose terminal checksum differed, since last taken (kept
+    /// apart from the report, which a later error in the same pull loses).
+    mismatched: Vec<String>,
 }
 
 fn parse_manifest(text: &str) -> Result<Manifest, SyncError> {
@@ -224,7 +247,19 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
             rng: ChaCha8Rng::seed_from_u64(seed),
             session,
             manifest,
+            mismatched: Vec::new(),
         })
+    }
+
+    /// Every scope whose terminal checksum differed from the local copy
+    /// (each was rebuilt) since the last call, oldest first.
+    pub fn take_mismatched(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.mismatched)
+    }
+
+    /// The store and the transport, as a process that stops leaves them.
+    pub fn into_parts(self) -> (S, T) {
+        (self.store, self.transport)
     }
 
     /// The local store (for inspection).
@@ -328,10 +363,7 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
         let body = self.connect_body(reset);
         let a = self.send(Endpoint::Connect, &body).await?;
         if a.status != 200 {
-            return Err(SyncError::Refused {
-                status: a.status,
-                code: code_of(&a),
-            });
+            return Err(refused(&a));
         }
         let t = self.connect_transition(&a.body)?;
         let manifest = t.session.as_ref().and_then(|s| s.manifest.clone());
@@ -584,12 +616,7 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                     })?;
                     self.connect().await?;
                 }
-                (status, code) => {
-                    return Err(SyncError::Refused {
-                        status,
-                        code: code.to_owned(),
-                    });
-                }
+                _ => return Err(refused(&a)),
             }
         }
     }
@@ -618,7 +645,8 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
     pub async fn pull(&mut self) -> Result<PullReport, SyncError> {
         let mut report = PullReport::default();
         let mut reconnects = 0;
-        let mut refused = BTreeMap::new();
+        // Rebuilds refused in a row per scope, with the last refusal.
+        let mut refused_rebuilds: BTreeMap<String, (u32, SyncError)> = BTreeMap::new();
         while report.pages < self.config.max_pages {
             let needing: Vec<String> = (self.session.scopes.iter())
                 .filter(|(_, c)| c.is_none())
@@ -626,11 +654,20 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                 .collect();
             for scope in needing {
                 match self.rebuild(&scope).await {
-                    Ok(true) => report.rebuilt.push(scope),
+                    Ok(true) => {
+                        refused_rebuilds.remove(&scope);
+                        report.rebuilt.push(scope);
+                    }
                     Ok(false) => {}
-                    // Not assigned any more: the pull reconciles it away.
+                    // Revoked since the last pull, which reconciles it away
+                    // (or granted again, and the next attempt works). One
+                    // refused round after round is no lost assignment.
                     Err(e @ SyncError::Refused { status: 400, .. }) => {
-                        refused.insert(scope, e);
+                        let n = refused_rebuilds.get(&scope).map_or(0, |(n, _)| *n) + 1;
+                        if n > MAX_REFUSED_REBUILDS {
+                            return Err(e);
+                        }
+                        refused_rebuilds.insert(scope, (n, e));
                     }
                     Err(e) => return Err(e),
                 }
@@ -647,29 +684,17 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                     report.pages += 1;
                     report.changes += applied.changes;
                     report.mismatched.extend(applied.mismatched.iter().cloned());
+                    self.mismatched.extend(applied.mismatched.iter().cloned());
                     if done(&applied) {
                         return Ok(report);
                     }
-                    // A refused rebuild the pull did not reconcile away is not
-                    // a lost assignment: it would be refused again.
-                    if let Some((_, e)) = refused
-                        .into_iter()
-                        .find(|(s, _)| self.session.scopes.get(s) == Some(&None))
-                    {
-                        return Err(e);
-                    }
-                    refused = BTreeMap::new();
+                    refused_rebuilds.retain(|s, _| self.session.scopes.get(s) == Some(&None));
                 }
                 (409, "client_generation_expired") | (422, "schema_mismatch") if reconnects < 2 => {
                     reconnects += 1;
                     self.connect().await?;
                 }
-                (status, code) => {
-                    return Err(SyncError::Refused {
-                        status,
-                        code: code.to_owned(),
-                    });
-                }
+                _ => return Err(refused(&a)),
             }
         }
         Ok(report)
@@ -720,12 +745,7 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                         self.connect().await?;
                         break;
                     }
-                    (status, code) => {
-                        return Err(SyncError::Refused {
-                            status,
-                            code: code.to_owned(),
-                        });
-                    }
+                    _ => return Err(refused(&a)),
                 }
             }
         }
@@ -824,6 +844,10 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
         Ok(sealed + self.store.queued()?.len())
     }
 }
+
+/// Rounds in a row a pull lets one scope's rebuild be refused before it
+/// reports the refusal.
+const MAX_REFUSED_REBUILDS: u32 = 3;
 
 /// Why a write was not queued.
 #[derive(Debug, PartialEq, Eq)]

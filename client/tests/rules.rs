@@ -344,7 +344,8 @@ async fn retryable_answers_are_retried_and_terminal_ones_are_not() {
         a.push().await,
         Err(SyncError::Refused {
             status: 400,
-            code: "invalid_request".into()
+            code: "invalid_request".into(),
+            message: "no".into()
         })
     );
     assert_eq!(

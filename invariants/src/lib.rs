@@ -14,6 +14,7 @@ pub mod capture;
 pub mod pull;
 pub mod push;
 pub mod rebuild;
+pub mod system;
 
 use std::collections::{BTreeMap, BTreeSet};
 

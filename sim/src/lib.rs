@@ -16,6 +16,7 @@ mod link;
 pub mod pull;
 pub mod push;
 pub mod remote;
+pub mod system;
 pub mod tripwire;
 
 use actors::store::MemStore;

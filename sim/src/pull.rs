@@ -135,7 +135,7 @@ fn note_key(k: usize) -> String {
 
 /// The server node: the real engine, stopping where `tripwire` arms it;
 /// the first body byte names the endpoint.
-async fn server_main(tripwire: Arc<Tripwire>) {
+pub(crate) async fn server_main(tripwire: Arc<Tripwire>) {
     crate::serve_engine(Some(tripwire), |engine, user, body| async move {
         match body.split_first() {
             Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
@@ -863,7 +863,7 @@ async fn push_one(
 }
 
 /// The application on the database node: writes, moves, shares, deletes.
-async fn application(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
+pub(crate) async fn application(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
     let image = |pairs: &[(&str, Option<String>)]| -> SourceImage {
         pairs
             .iter()
@@ -945,7 +945,7 @@ async fn application(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
 
 /// A few templates before the clients come: the shared scope every client
 /// rebuilds first (at limit 1) then takes several pages.
-async fn seed_templates(store: &MemStore) -> Result<(), String> {
+pub(crate) async fn seed_templates(store: &MemStore) -> Result<(), String> {
     let mut tx = store.begin().await.map_err(|e| e.to_string())?;
     for k in 0..3 {
         let row: SourceImage = [
@@ -988,7 +988,7 @@ async fn capture_stalls(store: MemStore, stop: Arc<AtomicBool>) -> Duration {
 }
 
 /// The operator: grants and revokes team scopes.
-async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
+pub(crate) async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
         sleep(Duration::from_millis(thread_rng().gen_range(200..900))).await;
         let user = format!("user-{}", thread_rng().gen_range(0..users));

@@ -1,0 +1,224 @@
+//! The whole system at quiescence (issue 14): real clients that connected,
+//! wrote offline, pushed from their outboxes, pulled and rebuilt through
+//! every fault, judged by what each one ends holding and what the server
+//! holds:
+//!
+//! - each client holds exactly its assigned scopes, and each scope's rows
+//!   are the server's members, digest for digest;
+//! - no outbox batch is lost (nothing pending, every authored mutation has
+//!   exactly one outcome) or applied twice (a new row's insert is
+//!   `applied`: a second execution would have found the row);
+//! - every accepted insert reached its author and every other client of
+//!   the author's user;
+//! - no terminal checksum ever differed from a client's copy (the run
+//!   damages none, so a mismatch means pages that did not add up).
+
+use std::collections::BTreeMap;
+
+use protocol::digest::{Digest, RowIdentity};
+use protocol::value::TypedValue;
+
+/// One mutation a client authored: a new note, or an edit of one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Authored {
+    pub mutation_id: String,
+    pub note: String,
+    /// An insert of a key no one else writes.
+    pub fresh_insert: bool,
+}
+
+/// The settled outcome of one mutation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settled {
+    pub mutation_id: String,
+    pub status: String,
+    pub code: Option<String>,
+}
+
+/// One client at the end of a run.
+#[derive(Clone, Debug, Default)]
+pub struct ClientEnd {
+    pub client_id: String,
+    pub user: String,
+    /// Its holdings: scope -> (row identity, digest) in identity order.
+    pub scopes: BTreeMap<String, Vec<(Vec<u8>, Digest)>>,
+    pub authored: Vec<Authored>,
+    pub outcomes: Vec<Settled>,
+    /// Writes still queued or sealed.
+    pub pending: usize,
+    /// Scopes whose terminal checksum differed, every time one did.
+    pub mismatched: Vec<String>,
+}
+
+/// The server at the end of a run.
+#[derive(Clone, Debug, Default)]
+pub struct ServerEnd {
+    /// client ID -> assigned scopes.
+    pub assigned: BTreeMap<String, Vec<String>>,
+    /// scope -> members (row identity, digest) in identity order.
+    pub members: BTreeMap<String, Vec<(Vec<u8>, Digest)>>,
+}
+
+fn note_identity(note: &str) -> Vec<u8> {
+    RowIdentity::new(
+        "tbl_notes",
+        "fld_notes_id",
+        &TypedValue::String(note.to_owned()),
+    )
+    .as_bytes()
+    .to_vec()
+}
+
+/// Every invariant of the module; each violation once.
+pub fn check_system(clients: &[ClientEnd], server: &ServerEnd) -> Result<(), Vec<String>> {
+    let mut v = Vec::new();
+    for c in clients {
+        let id = &c.client_id;
+        let assigned = server.assigned.get(id).cloned().unwrap_or_default();
+        let held: Vec<&String> = c.scopes.keys().collect();
+        if held
+            .iter()
+            .map(|s| s.as_str())
+            .ne(assigned.iter().map(String::as_str))
+        {
+            v.push(format!(
+                "{id}: holds scopes {held:?}, assigned {assigned:?}"
+            ));
+        }
+        for scope in &assigned {
+            let mine = c.scopes.get(scope).map(Vec::as_slice).unwrap_or_default();
+            let theirs = server
+                .members
+                .get(scope)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            if mine != theirs {
+                v.push(format!(
+                    "{id} {scope}: the local copy ({} rows) is not the server's ({} rows)",
+                    mine.len(),
+                    theirs.len()
+                ));
+            }
+        }
+        if c.pending > 0 {
+            v.push(format!(
+                "{id}: {} write(s) never left the outbox",
+                c.pending
+            ));
+        }
+        let mut settled: BTreeMap<&str, Vec<&Settled>> = BTreeMap::new();
+        for o in &c.outcomes {
+            settled.entry(o.mutation_id.as_str()).or_default().push(o);
+        }
+        for a in &c.authored {
+            match settled.remove(a.mutation_id.as_str()).as_deref() {
+                None | Some([]) => v.push(format!("{id}: mutation of {} has no outcome", a.note)),
+                Some([o]) => {
+                    if a.fresh_insert && o.status != "applied" {
+                        v.push(format!(
+                            "{id}: the insert of {} was {} {:?}: executed twice",
+                            a.note, o.status, o.code
+                        ));
+                    }
+                }
+                Some(_) => v.push(format!("{id}: mutation of {} settled twice", a.note)),
+            }
+        }
+        if !settled.is_empty() {
+            v.push(format!("{id}: outcomes of mutations it never authored"));
+        }
+        if !c.mismatched.is_empty() {
+            v.push(format!(
+                "{id}: terminal checksums differed from its copy in {:?}",
+                c.mismatched
+            ));
+        }
+        // Every accepted insert reached every client of its author's user.
+        for a in c.authored.iter().filter(|a| a.fresh_insert) {
+            let applied = c
+                .outcomes
+                .iter()
+                .any(|o| o.mutation_id == a.mutation_id && o.status == "applied");
+            if !applied {
+                continue;
+            }
+            let identity = note_identity(&a.note);
+            let scope = format!("user:{}", c.user);
+            for other in clients.iter().filter(|o| o.user == c.user) {
+                let holds = other
+                    .scopes
+                    .get(&scope)
+                    .is_some_and(|rows| rows.iter().any(|(i, _)| *i == identity));
+                if !holds {
+                    v.push(format!(
+                        "{}: the accepted insert of {} by {id} never arrived",
+                        other.client_id, a.note
+                    ));
+                }
+            }
+        }
+    }
+    if v.is_empty() { Ok(()) } else { Err(v) }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn settled(m: &str, status: &str, code: Option<&str>) -> Settled {
+        Settled {
+            mutation_id: m.into(),
+            status: status.into(),
+            code: code.map(str::to_owned),
+        }
+    }
+
+    fn world() -> (Vec<ClientEnd>, ServerEnd) {
+        let n1 = note_identity("n1");
+        let rows = vec![(n1, Digest([1; 32]))];
+        let client = |id: &str| ClientEnd {
+            client_id: id.into(),
+            user: "u".into(),
+            scopes: BTreeMap::from([("user:u".to_owned(), rows.clone())]),
+            ..ClientEnd::default()
+        };
+        let mut a = client("a");
+        a.authored.push(Authored {
+            mutation_id: "m1".into(),
+            note: "n1".into(),
+            fresh_insert: true,
+        });
+        a.outcomes.push(settled("m1", "applied", None));
+        let server = ServerEnd {
+            assigned: BTreeMap::from([
+                ("a".to_owned(), vec!["user:u".to_owned()]),
+                ("b".to_owned(), vec!["user:u".to_owned()]),
+            ]),
+            members: BTreeMap::from([("user:u".to_owned(), rows.clone())]),
+        };
+        (vec![a, client("b")], server)
+    }
+
+    #[test]
+    fn a_converged_run_passes_and_each_defect_fails() {
+        let (clients, server) = world();
+        assert_eq!(check_system(&clients, &server), Ok(()));
+        type Defect = Box<dyn Fn(&mut Vec<ClientEnd>)>;
+        let broken: Vec<Defect> = vec![
+            Box::new(|c| c[1].scopes.clear()), // never arrived, and scopes
+            Box::new(|c| c[0].scopes.get_mut("user:u").unwrap()[0].1 = Digest([2; 32])),
+            Box::new(|c| c[0].pending = 1),      // lost in the outbox
+            Box::new(|c| c[0].outcomes.clear()), // no outcome
+            Box::new(|c| c[0].outcomes.push(settled("m1", "applied", None))), // twice
+            Box::new(|c| c[0].outcomes[0] = settled("m1", "conflict", Some("row_already_exists"))), // re-executed
+            Box::new(|c| c[1].mismatched.push("user:u".into())),
+            Box::new(|c| c[1].outcomes.push(settled("m9", "applied", None))),
+        ];
+        for (k, b) in broken.iter().enumerate() {
+            let mut c = clients.clone();
+            b(&mut c);
+            assert!(check_system(&c, &server).is_err(), "defect {k} is caught");
+        }
+    }
+}

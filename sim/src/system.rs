@@ -1,0 +1,525 @@
+//! The whole system under faults (issue 14): the real client library
+//! (`client::Client` on a `MemoryStore`) on several devices of several
+//! users, against the real engine on a server node that crashes (at random
+//! and inside rebuilds), over a link that loses requests and answers and
+//! sometimes sends a push twice at once, while the application writes,
+//! moves, shares and deletes rows on the database node, an operator grants
+//! and revokes team scopes, and devices go offline, write, and restart
+//! from their local store.
+//!
+//! Judged at quiescence by `invariants::system`: each device holds exactly
+//! the server's rows of exactly its assigned scopes, no outbox write is
+//! lost or applied twice, every accepted insert reached every device of its
+//! user, and no terminal checksum ever differed.
+//!
+//! A [`SystemMutant`] plants a server bug in what one device receives; the
+//! same judge must then fail.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actors::store::{MemStore, Store, StoreTx};
+use actors::testkit::push_config;
+use client::local::LocalStore;
+use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport, TransportError};
+use client::{Write, WriteOp};
+use invariants::system::{Authored, ClientEnd, ServerEnd, Settled};
+use madsim::net::NetSim;
+use madsim::rand::{Rng, thread_rng};
+use madsim::runtime::Handle;
+use madsim::time::sleep;
+use protocol::digest::Digest;
+use protocol::json::{self, Value};
+
+use crate::tripwire::{CrashPoint, Tripwire};
+use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request};
+
+/// A server bug planted in what one device receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SystemMutant {
+    /// One terminal pull page loses one of its upserts.
+    DropChange,
+}
+
+/// Knobs of one whole-system run.
+#[derive(Clone, Debug)]
+pub struct SystemScenario {
+    pub users: usize,
+    /// Devices per user.
+    pub devices: usize,
+    /// Rounds of each device (a write, a restart or an absence, then a sync).
+    pub rounds: usize,
+    pub packet_loss: f64,
+    /// Random server crashes (tripwires inside rebuilds come on top).
+    pub server_crashes: usize,
+    /// How often a push is sent twice at once.
+    pub duplicate_push: f64,
+    pub mutant: Option<SystemMutant>,
+}
+
+impl Default for SystemScenario {
+    fn default() -> Self {
+        SystemScenario {
+            users: 2,
+            devices: 2,
+            rounds: 14,
+            packet_loss: 0.03,
+            server_crashes: 3,
+            duplicate_push: 0.2,
+            mutant: None,
+        }
+    }
+}
+
+/// What a whole-system run recorded.
+#[derive(Clone, Debug, Default)]
+pub struct SystemTrace {
+    /// Problems the harness saw (a device's error that no fault explains).
+    pub violations: Vec<String>,
+    pub clients: Vec<ClientEnd>,
+    pub server: ServerEnd,
+    pub crashes: usize,
+    /// Requests that got no answer in time.
+    pub lost: usize,
+    /// Pushes sent twice at once.
+    pub duplicated: usize,
+    pub restarts: usize,
+    pub offline: usize,
+    pub writes: usize,
+    pub pages: u32,
+    pub rebuilt: usize,
+    pub mutated: bool,
+}
+
+/// A device's transport: one datagram per try (two at once for a
+/// duplicated push), the first answer within 800 ms, else no answer (the
+/// client's own rules retry).
+pub struct SimTransport {
+    ep: madsim::net::Endpoint,
+    server: SocketAddr,
+    user: String,
+    next_id: u64,
+    buf: Vec<u8>,
+    duplicate_push: f64,
+    mutant: Option<SystemMutant>,
+    trace: Arc<Mutex<SystemTrace>>,
+}
+
+impl SimTransport {
+    async fn bind(
+        index: usize,
+        user: &str,
+        scenario: &SystemScenario,
+        mutant: Option<SystemMutant>,
+        trace: Arc<Mutex<SystemTrace>>,
+    ) -> SimTransport {
+        SimTransport {
+            ep: madsim::net::Endpoint::bind("0.0.0.0:0")
+                .await
+                .expect("bind"),
+            server: SERVER.parse().expect("address"),
+            user: user.to_owned(),
+            next_id: (index as u64) << 40,
+            buf: vec![0u8; MAX_FRAME],
+            duplicate_push: scenario.duplicate_push,
+            mutant,
+            trace,
+        }
+    }
+}
+
+impl Transport for SimTransport {
+    async fn post(&mut self, endpoint: Endpoint, body: &[u8]) -> Result<Answer, TransportError> {
+        let kind = match endpoint {
+            Endpoint::Connect => 0u8,
+            Endpoint::Push => 1,
+            Endpoint::Pull => 2,
+            Endpoint::Rebuild => 3,
+        };
+        let mut framed = vec![kind];
+        framed.extend_from_slice(body);
+        let twice = endpoint == Endpoint::Push && thread_rng().gen_bool(self.duplicate_push);
+        if twice {
+            self.trace.lock().expect("trace").duplicated += 1;
+        }
+        let mut ids = Vec::new();
+        for _ in 0..if twice { 2 } else { 1 } {
+            self.next_id += 1;
+            ids.push(self.next_id);
+            let frame = encode_request(self.next_id, &self.user, &framed);
+            let _ = self.ep.send_to(self.server, REQUEST, &frame).await;
+        }
+        let deadline = sleep(Duration::from_millis(800));
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = &mut deadline => {
+                    self.trace.lock().expect("trace").lost += 1;
+                    return Err(TransportError("no answer in time".into()));
+                }
+                got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
+                    let Ok((n, _)) = got else { continue };
+                    if let Some((id, status, mut b)) = decode_response(&self.buf[..n])
+                        && ids.contains(&id)
+                    {
+                        if endpoint == Endpoint::Pull && status == 200
+                            && self.mutant == Some(SystemMutant::DropChange)
+                            && let Some(dropped) = drop_change(&b)
+                        {
+                            b = dropped;
+                            self.mutant = None;
+                            self.trace.lock().expect("trace").mutated = true;
+                        }
+                        return Ok(Answer { status, retry_after: None, body: b });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A terminal pull page with its first upsert removed, if it has one: a
+/// loss the page's own checksums must expose (an intermediate page's loss
+/// can be covered by a later change of the same row before the checksum).
+fn drop_change(page: &[u8]) -> Option<Vec<u8>> {
+    let mut v = json::parse(page).ok()?;
+    let Value::Object(o) = &mut v else {
+        return None;
+    };
+    if o.get("has_more") != Some(&Value::Bool(false)) {
+        return None;
+    }
+    // A scope sent to rebuild skips its checksum: its changes do not count.
+    let rebuilt: Vec<Value> = match o.get("rebuild") {
+        Some(Value::Array(r)) => r.clone(),
+        _ => return None,
+    };
+    let Some(Value::Array(changes)) = o.get_mut("changes") else {
+        return None;
+    };
+    let upsert = |c: &Value| {
+        let c = c.as_object();
+        let member = |k: &str| c.and_then(|c| c.get(k));
+        member("op").and_then(Value::as_str) == Some("upsert")
+            && member("scope").is_some_and(|s| !rebuilt.contains(s))
+    };
+    let k = changes.iter().position(upsert)?;
+    changes.remove(k);
+    Some(json::to_canonical(&v))
+}
+
+type Device = Client<MemoryStore, SimTransport>;
+
+/// One device as the run follows it, and what it authored.
+struct Run {
+    client: Device,
+    user: String,
+    authored: Vec<Authored>,
+    mismatched: Vec<String>,
+}
+
+fn config() -> Config {
+    Config {
+        pull_limit: thread_rng().gen_range(1..=4),
+        rebuild_limit: thread_rng().gen_range(1..=3),
+        max_tries: 6,
+        backoff_base: Duration::from_millis(100),
+        backoff_cap: Duration::from_secs(3),
+        max_pages: 400,
+        ..Config::default()
+    }
+}
+
+fn object(members: &[(&str, Value)]) -> json::Object {
+    members
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), v.clone()))
+        .collect()
+}
+
+fn client_version() -> String {
+    client::datetime(crate::now_micros())
+}
+
+/// One sync; an error a fault explains is left for the next round.
+fn absorb(result: Result<(), SyncError>, run: &Run, trace: &Mutex<SystemTrace>) {
+    match result {
+        Ok(()) | Err(SyncError::Unreachable(_) | SyncError::Unavailable(_)) => {}
+        Err(e) => trace
+            .lock()
+            .expect("trace")
+            .violations
+            .push(format!("{}: {e}", run.client.session().client_id)),
+    }
+}
+
+async fn sync(run: &mut Run, trace: &Mutex<SystemTrace>) {
+    let result = match run.client.sync().await {
+        Ok((_, pulled)) => {
+            let mut t = trace.lock().expect("trace");
+            t.pages += pulled.pages;
+            t.rebuilt += pulled.rebuilt.len();
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    run.mismatched.extend(run.client.take_mismatched());
+    absorb(result, run, trace);
+}
+
+/// A device: rounds of a write (new or an edit), a restart from its local
+/// store, or an absence, each followed by a sync.
+async fn device_main(
+    index: usize,
+    user: String,
+    scenario: SystemScenario,
+    mutant: Option<SystemMutant>,
+    trace: Arc<Mutex<SystemTrace>>,
+) -> Run {
+    let transport = SimTransport::bind(index, &user, &scenario, mutant, trace.clone()).await;
+    let client_id = format!("device-{index}");
+    let client = Client::open(
+        MemoryStore::new(),
+        transport,
+        &client_id,
+        config(),
+        thread_rng().r#gen(),
+    )
+    .expect("open");
+    let mut run = Run {
+        client,
+        user,
+        authored: Vec::new(),
+        mismatched: Vec::new(),
+    };
+    for round in 0..scenario.rounds {
+        let connected = run.client.manifest().is_some();
+        match thread_rng().gen_range(0..10) {
+            0..=3 if connected => {
+                let note = format!("00000000-0000-4000-a000-{index:06x}{round:06x}");
+                let write = Write {
+                    table: "tbl_notes".into(),
+                    pk: Value::string(note.clone()),
+                    op: WriteOp::Insert {
+                        columns: object(&[
+                            ("fld_notes_title", Value::string(format!("by {index}"))),
+                            ("fld_notes_pinned", Value::Bool(false)),
+                        ]),
+                    },
+                    client_version: client_version(),
+                };
+                let mutation_id = run.client.write(&write).expect("a valid write");
+                run.authored.push(Authored {
+                    mutation_id,
+                    note,
+                    fresh_insert: true,
+                });
+                trace.lock().expect("trace").writes += 1;
+            }
+            4 | 5 if connected => {
+                // An edit of a note the device holds, against the version it knows.
+                let rows = run.client.rows("tbl_notes").expect("rows");
+                if !rows.is_empty() {
+                    let r = &rows[thread_rng().gen_range(0..rows.len())];
+                    let pk =
+                        r.pk.as_object()
+                            .and_then(|o| o.get("fld_notes_id"))
+                            .cloned();
+                    if let Some(pk) = pk
+                        && let Ok(Some(base)) = run.client.version_of("tbl_notes", &pk)
+                    {
+                        let write = Write {
+                            table: "tbl_notes".into(),
+                            pk: pk.clone(),
+                            op: WriteOp::Update {
+                                base_version: base,
+                                columns: object(&[(
+                                    "fld_notes_title",
+                                    Value::string(format!("edit {index}.{round}")),
+                                )]),
+                            },
+                            client_version: client_version(),
+                        };
+                        let mutation_id = run.client.write(&write).expect("a valid write");
+                        run.authored.push(Authored {
+                            mutation_id,
+                            note: pk.as_str().unwrap_or_default().to_owned(),
+                            fresh_insert: false,
+                        });
+                        trace.lock().expect("trace").writes += 1;
+                    }
+                }
+            }
+            6 => {
+                // The app restarts: only the local store survives.
+                run.mismatched.extend(run.client.take_mismatched());
+                let (store, transport) = run.client.into_parts();
+                run.client =
+                    Client::open(store, transport, &client_id, config(), thread_rng().r#gen())
+                        .expect("reopen");
+                trace.lock().expect("trace").restarts += 1;
+            }
+            7 => {
+                // Offline for a while; writes made meanwhile wait in the outbox.
+                trace.lock().expect("trace").offline += 1;
+                sleep(Duration::from_millis(thread_rng().gen_range(1_000..4_000))).await;
+            }
+            _ => {}
+        }
+        sync(&mut run, &trace).await;
+        sleep(Duration::from_millis(thread_rng().gen_range(50..400))).await;
+    }
+    run
+}
+
+/// At quiescence: syncs `run` until its outbox is empty and a pull ends
+/// on a terminal page with capture caught up (a database connection may
+/// still drop: the device tries again, as it would).
+async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> Result<(), String> {
+    for _ in 0..40 {
+        crate::capture::catch_up(store, store.last_commit_lsn().await).await?;
+        match run.client.sync().await {
+            Ok(_) => {
+                run.mismatched.extend(run.client.take_mismatched());
+                if run.client.pending().map_err(|e| e.to_string())? == 0 {
+                    return Ok(());
+                }
+            }
+            Err(SyncError::Unreachable(_) | SyncError::Unavailable(_)) => {
+                run.mismatched.extend(run.client.take_mismatched());
+            }
+            Err(e) => {
+                run.mismatched.extend(run.client.take_mismatched());
+                absorb(Err(e), run, trace);
+                return Ok(());
+            }
+        }
+        sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!("{} never settled", run.client.session().client_id))
+}
+
+/// Runs a whole-system scenario under the current seed.
+pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String> {
+    let handle = Handle::current();
+    let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
+    let (tripwire, trips) = Tripwire::arm(&CrashPoint::REBUILD);
+    let tripwire = Arc::new(tripwire);
+    let database = {
+        let tripwire = tripwire.clone();
+        crate::start_nodes(&store, scenario.packet_loss, move || {
+            crate::pull::server_main(tripwire.clone())
+        })
+    };
+    let trace = Arc::new(Mutex::new(SystemTrace::default()));
+    store
+        .install_capture(&actors::capture::CapturePlan::new(&push_config()))
+        .await
+        .map_err(|e| e.to_string())?;
+    crate::pull::seed_templates(&store).await?;
+    crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    let users = scenario.users;
+    let stop = Arc::new(AtomicBool::new(false));
+    let app = database.spawn(crate::pull::application(store.clone(), users, stop.clone()));
+    let ops = database.spawn(crate::pull::operator(store.clone(), users, stop.clone()));
+    let mut tasks = Vec::new();
+    for i in 0..users * scenario.devices {
+        let user = format!("user-{}", i % users);
+        let node = handle
+            .create_node()
+            .name(format!("device-{i}"))
+            .ip(format!("10.0.2.{}", i + 1).parse().expect("ip"))
+            .build();
+        let mutant = if i == 0 { scenario.mutant } else { None };
+        let (scenario, trace) = (scenario.clone(), trace.clone());
+        tasks.push(node.spawn(device_main(i, user, scenario, mutant, trace)));
+    }
+    let crasher = {
+        let trace = trace.clone();
+        crate::crash_server(
+            scenario.server_crashes,
+            1_000..15_000,
+            Some(trips),
+            move |_| trace.lock().expect("trace").crashes += 1,
+        )
+    };
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.push(t.await.map_err(|e| format!("device failed: {e}"))?);
+    }
+    tripwire.disarm();
+    crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    // Quiescence: the application and the operator stop, the link heals,
+    // every device sends its outbox, capture catches up, every device pulls.
+    stop.store(true, Ordering::Relaxed);
+    app.await.map_err(|e| format!("application failed: {e}"))?;
+    ops.await.map_err(|e| format!("operator failed: {e}"))?;
+    NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
+    for run in &mut runs {
+        settle(run, &store, &trace).await?;
+    }
+    // Each device pulls once more: another's last push may have come after its pull.
+    crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    for run in &mut runs {
+        settle(run, &store, &trace).await?;
+    }
+    let mut t = trace.lock().expect("trace").clone();
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    for run in &runs {
+        let id = run.client.session().client_id.clone();
+        let record = tx
+            .lock_client(&id)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("a device without a record")?;
+        let assigned: Vec<String> = record
+            .assigned
+            .iter()
+            .map(|s| s.as_str().to_owned())
+            .collect();
+        for scope in &record.assigned {
+            let members = tx.scope_members(scope).await.map_err(|e| e.to_string())?;
+            t.server.members.insert(
+                scope.as_str().to_owned(),
+                members
+                    .into_iter()
+                    .map(|(i, d)| (i.as_bytes().to_vec(), d))
+                    .collect(),
+            );
+        }
+        t.server.assigned.insert(id.clone(), assigned);
+        let store = run.client.store();
+        let mut scopes = std::collections::BTreeMap::new();
+        for scope in run.client.session().scopes.keys() {
+            let rows = store.holdings(scope).map_err(|e| e.to_string())?;
+            scopes.insert(
+                scope.clone(),
+                rows.into_iter()
+                    .map(|h| (h.identity, Digest(h.digest)))
+                    .collect(),
+            );
+        }
+        t.clients.push(ClientEnd {
+            client_id: id,
+            user: run.user.clone(),
+            scopes,
+            authored: run.authored.clone(),
+            outcomes: store
+                .outcomes()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(|o| Settled {
+                    mutation_id: o.mutation_id,
+                    status: o.status,
+                    code: o.code,
+                })
+                .collect(),
+            pending: run.client.pending().map_err(|e| e.to_string())?,
+            mismatched: run.mismatched.clone(),
+        });
+    }
+    drop(tx);
+    Ok(t)
+}
