@@ -1,0 +1,349 @@
+//! The load tool (issue 14): many real clients (`client::Client` over
+//! HTTP) against a `synchro serve` process for a bounded time, each in a
+//! loop of pull, write a note, push, think. Reports push and pull latency
+//! percentiles (each HTTP request), throughput, answers by code, the
+//! server's capture lag (how long a WAL position waits until it is
+//! materialized) and its memory.
+//!
+//! ```text
+//! cargo bench -p server --bench load                       # 10, 100 and 1000 clients, 20 s each
+//! SYNCHRO_LOAD_CLIENTS=50 SYNCHRO_LOAD_SECONDS=10 cargo bench -p server --bench load
+//! ```
+//!
+//! Each client count gets its own server process on a fresh database of a
+//! private cluster, so the figures do not carry over. Only loopback
+//! addresses are ever targeted.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
+
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use client::{
+    Answer, Client, Config, Endpoint, HttpTransport, MemoryStore, Transport, TransportError,
+};
+use client::{Write, WriteOp};
+use protocol::json::{self, Value};
+use sqlx::PgPool;
+use store_pg::cluster::PgCluster;
+
+#[path = "served.rs"]
+mod served;
+use served::Served;
+
+/// One answered (or lost) request.
+struct Sample {
+    endpoint: Endpoint,
+    latency: Duration,
+    /// The status and, for an error, its code.
+    outcome: String,
+}
+
+#[derive(Default)]
+struct Sink {
+    measuring: AtomicBool,
+    samples: Mutex<Vec<Sample>>,
+    mutations: std::sync::atomic::AtomicU64,
+    changes: std::sync::atomic::AtomicU64,
+}
+
+/// HTTP with every request's latency and outcome recorded while measuring.
+struct Timed {
+    inner: HttpTransport,
+    sink: Arc<Sink>,
+}
+
+impl Transport for Timed {
+    async fn post(&mut self, endpoint: Endpoint, body: &[u8]) -> Result<Answer, TransportError> {
+        let start = Instant::now();
+        let answer = self.inner.post(endpoint, body).await;
+        if self.sink.measuring.load(Ordering::Relaxed) {
+            let outcome = match &answer {
+                Ok(a) if a.status == 200 => "200".to_owned(),
+                Ok(a) => {
+                    let code = json::parse(&a.body).ok().and_then(|v| {
+                        let e = v.as_object()?.get("error")?.as_object()?;
+                        Some(e.get("code")?.as_str()?.to_owned())
+                    });
+                    format!("{} {}", a.status, code.unwrap_or_default())
+                }
+                Err(_) => "no answer".to_owned(),
+            };
+            self.sink.samples.lock().unwrap().push(Sample {
+                endpoint,
+                latency: start.elapsed(),
+                outcome,
+            });
+        }
+        answer
+    }
+}
+
+fn now_micros() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
+/// One client's loop until `stop`: pull, write a note, push, think.
+async fn device(
+    mut c: Client<MemoryStore, Timed>,
+    index: usize,
+    sink: Arc<Sink>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut n = 0u64;
+    let mut rng = index as u64 * 0x9e37_79b9_7f4a_7c15 + 1;
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok(report) = c.pull().await
+            && sink.measuring.load(Ordering::Relaxed)
+        {
+            sink.changes
+                .fetch_add(report.changes as u64, Ordering::Relaxed);
+        }
+        n += 1;
+        let write = Write {
+            table: "tbl_notes".into(),
+            pk: Value::string(format!("00000000-0000-4000-8000-{:06x}{n:06x}", index)),
+            op: WriteOp::Insert {
+                columns: [
+                    (
+                        "fld_notes_title".to_owned(),
+                        Value::string(format!("load {n}")),
+                    ),
+                    ("fld_notes_pinned".to_owned(), Value::Bool(false)),
+                ]
+                .into_iter()
+                .collect(),
+            },
+            client_version: client::datetime(now_micros()),
+        };
+        c.write(&write).unwrap();
+        if let Ok(report) = c.push().await
+            && sink.measuring.load(Ordering::Relaxed)
+        {
+            let applied = report
+                .outcomes
+                .iter()
+                .filter(|o| o.status == "applied")
+                .count();
+            sink.mutations.fetch_add(applied as u64, Ordering::Relaxed);
+        }
+        // Think 100 to 300 ms (a splitmix step: no shared generator).
+        rng = rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let think = 100 + (rng ^ (rng >> 31)) % 200;
+        tokio::time::sleep(Duration::from_millis(think)).await;
+    }
+}
+
+/// A process's resident set now and at its peak, in MB.
+fn rss(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kib = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (kib("VmRSS:") / 1024.0, kib("VmHWM:") / 1024.0)
+}
+
+/// Capture lag, sampled every 25 ms: how long each sampled WAL position
+/// waited until durable capture progress passed it.
+async fn capture_lag(pool: PgPool, stop: Arc<AtomicBool>) -> Vec<Duration> {
+    let mut waiting: std::collections::VecDeque<(Instant, i64)> = Default::default();
+    let mut lags = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let (current, done): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT (pg_current_wal_insert_lsn() - '0/0')::int8, \
+             (SELECT end_lsn FROM synchro.capture_progress)",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let now = Instant::now();
+        while let Some(&(at, lsn)) = waiting.front() {
+            if done.is_some_and(|d| d >= lsn) {
+                lags.push(now - at);
+                waiting.pop_front();
+            } else {
+                break;
+            }
+        }
+        waiting.push_back((now, current));
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    lags
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &str, secret: &[u8]) {
+    let name = format!("load_{clients}");
+    let store = store_pg::example_store(cluster, &name).await;
+    let pool = store.pool().clone();
+    let server = Served::start(&cluster.url(&name), secret_file).await;
+    assert!(
+        server.addr.ip().is_loopback(),
+        "the load tool targets loopback only"
+    );
+    for _ in 0..600 {
+        let ready: Option<bool> =
+            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        if ready == Some(true) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sink = Arc::new(Sink::default());
+    let users = clients.div_ceil(2);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let config = Config {
+        pull_limit: 100,
+        rebuild_limit: 1000,
+        max_tries: 30,
+        backoff_base: Duration::from_millis(100),
+        backoff_cap: Duration::from_secs(5),
+        ..Config::default()
+    };
+    // Every device connects and takes its first rebuilds before the clock starts.
+    let mut devices = Vec::new();
+    let mut joins = Vec::new();
+    for i in 0..clients {
+        let token = server::auth::dev_token(secret, &format!("user-{}", i % users), now).unwrap();
+        let transport = Timed {
+            inner: HttpTransport::bearer(server.addr, &token),
+            sink: sink.clone(),
+        };
+        let config = config.clone();
+        joins.push(tokio::spawn(async move {
+            let mut c = Client::open(
+                MemoryStore::new(),
+                transport,
+                &format!("load-{i}"),
+                config,
+                i as u64,
+            )
+            .unwrap();
+            c.connect().await.unwrap();
+            c.pull().await.unwrap();
+            c
+        }));
+    }
+    for j in joins {
+        devices.push(j.await.unwrap());
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let lag = tokio::spawn(capture_lag(pool.clone(), stop.clone()));
+    sink.measuring.store(true, Ordering::Relaxed);
+    let start = Instant::now();
+    let tasks: Vec<_> = devices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| tokio::spawn(device(c, i, sink.clone(), stop.clone())))
+        .collect();
+    let mut peak_rss = 0.0f64;
+    while start.elapsed() < Duration::from_secs(seconds) {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (now_rss, _) = rss(server.child.id());
+        peak_rss = peak_rss.max(now_rss);
+        let (pushes, pulls) = {
+            let s = sink.samples.lock().unwrap();
+            let count = |e| s.iter().filter(|x| x.endpoint == e).count();
+            (count(Endpoint::Push), count(Endpoint::Pull))
+        };
+        eprint!(
+            "\r{clients} clients: {:>3} s, {pushes} pushes, {pulls} pulls, {} mutations applied, server RSS {now_rss:.0} MB   ",
+            start.elapsed().as_secs(),
+            sink.mutations.load(Ordering::Relaxed)
+        );
+        let _ = std::io::stderr().flush();
+    }
+    sink.measuring.store(false, Ordering::Relaxed);
+    let elapsed = start.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut lags = lag.await.unwrap();
+    lags.sort();
+    eprintln!();
+    let samples = std::mem::take(&mut *sink.samples.lock().unwrap());
+    let mut by_code: BTreeMap<String, usize> = BTreeMap::new();
+    let mut latency: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
+    for s in &samples {
+        *by_code.entry(s.outcome.clone()).or_default() += 1;
+        let e = match s.endpoint {
+            Endpoint::Push => "push",
+            Endpoint::Pull => "pull",
+            Endpoint::Rebuild => "rebuild",
+            Endpoint::Connect => "connect",
+        };
+        latency.entry(e).or_default().push(s.latency);
+    }
+    let (_, hwm) = rss(server.child.id());
+    let secs = elapsed.as_secs_f64();
+    println!(
+        "{clients} clients ({users} users), {secs:.0} s: {:.0} mutations/s applied, {:.0} changes/s pulled",
+        sink.mutations.load(Ordering::Relaxed) as f64 / secs,
+        sink.changes.load(Ordering::Relaxed) as f64 / secs,
+    );
+    for (e, mut l) in latency {
+        l.sort();
+        println!(
+            "  {e}: {} requests ({:.0}/s), p50 {}, p99 {}, max {}",
+            l.len(),
+            l.len() as f64 / secs,
+            ms(percentile(&l, 0.5)),
+            ms(percentile(&l, 0.99)),
+            ms(l.last().copied().unwrap_or_default())
+        );
+    }
+    println!("  answers: {by_code:?}");
+    println!(
+        "  capture lag: p50 {}, p99 {}, max {} ({} samples); server RSS peak {peak_rss:.0} MB while measured, {hwm:.0} MB over its life",
+        ms(percentile(&lags, 0.5)),
+        ms(percentile(&lags, 0.99)),
+        ms(lags.last().copied().unwrap_or_default()),
+        lags.len()
+    );
+}
+
+#[tokio::main]
+async fn main() {
+    let counts: Vec<usize> = std::env::var("SYNCHRO_LOAD_CLIENTS")
+        .unwrap_or_else(|_| "10,100,1000".into())
+        .split(',')
+        .map(|n| n.trim().parse().expect("SYNCHRO_LOAD_CLIENTS: numbers"))
+        .collect();
+    let seconds: u64 = std::env::var("SYNCHRO_LOAD_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let cluster = PgCluster::temp().unwrap();
+    let secrets = tempfile::tempdir().unwrap();
+    let secret_file = secrets.path().join("hs256.secret").display().to_string();
+    let secret = server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+    for clients in counts {
+        run(&cluster, clients, seconds, &secret_file, &secret).await;
+    }
+}
