@@ -276,8 +276,9 @@ pub(crate) fn pull_transition<S: LocalStore>(
         let identity = r.identity.as_bytes().to_vec();
         let slot = overlay.entry(scope.to_owned()).or_default();
         match (string(c, "op")?, r.row) {
-            ("upsert", Some((_, _, true))) => return invalid("an upsert of a tombstone"),
-            ("upsert", Some((row, digest, false))) | ("delete", Some((row, digest, true))) => {
+            // A delete's row is the authoritative tombstone (ADR 003), whatever
+            // its lifecycle fields say; an upsert's row is the live row.
+            ("upsert" | "delete", Some((row, digest, _))) => {
                 slot.insert(identity.clone(), Some(digest.0));
                 t.put.push(Holding {
                     scope: scope.to_owned(),

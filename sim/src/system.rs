@@ -267,6 +267,24 @@ async fn sync(run: &mut Run, trace: &Mutex<SystemTrace>) {
     };
     run.mismatched.extend(run.client.take_mismatched());
     absorb(result, run, trace);
+    held_only_where_assigned(run, trace);
+}
+
+/// After every sync (every page applied, a failed one's included): the
+/// device holds rows only of scopes it is assigned; a removed scope's rows
+/// left with it, in the same transition.
+fn held_only_where_assigned(run: &Run, trace: &Mutex<SystemTrace>) {
+    let session = run.client.session();
+    let holdings = run.client.store().all_holdings().expect("holdings");
+    if let Some(h) = holdings
+        .iter()
+        .find(|h| !session.scopes.contains_key(&h.scope))
+    {
+        trace.lock().expect("trace").violations.push(format!(
+            "{}: holds a row of {}, which it is not assigned",
+            session.client_id, h.scope
+        ));
+    }
 }
 
 /// A device: rounds of a write (new or an edit), a restart from its local
