@@ -752,3 +752,37 @@ async fn schema_actions_are_applied_as_the_spec_says() {
     );
     converge(&mut a, 1).await;
 }
+
+/// `422 schema_mismatch` on a push or a pull: the request never executed,
+/// so the client connects again (learning the current schema) and goes on;
+/// the refused batch's writes are sealed again.
+#[tokio::test]
+async fn a_schema_mismatch_reconnects_and_goes_on() {
+    let w = world(9).await;
+    let mut a = device(&w, "u1", "device-a", 13);
+    a.connect().await.unwrap();
+    let mismatch = || {
+        Answer {
+        status: 422,
+        retry_after: None,
+        body: b"{\"error\":{\"code\":\"schema_mismatch\",\"message\":\"not current\",\"retryable\":false}}"
+            .to_vec(),
+    }
+    };
+    a.transport_mut().plan(move |e, n| match (e, n) {
+        (Endpoint::Push | Endpoint::Pull, 1) => Fault::Answer(mismatch()),
+        _ => Fault::Pass,
+    });
+    a.write(&insert_note(1, "after a mismatch")).unwrap();
+    let pushed = a.push().await.unwrap();
+    assert_eq!(pushed.outcomes[0].status, "applied");
+    let pushes = a.transport_mut().sent(Endpoint::Push);
+    assert_eq!(pushes.len(), 2);
+    assert_ne!(pushes[0], pushes[1], "sealed again in a new batch");
+    converge(&mut a, 1).await;
+    assert_eq!(
+        a.transport_mut().sent(Endpoint::Connect).len(),
+        3,
+        "the first connect, then one per mismatch"
+    );
+}
