@@ -41,6 +41,12 @@ use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_reques
 pub enum SystemMutant {
     /// One terminal pull page loses one of its upserts.
     DropChange,
+    /// A push sent again after its answer was lost is executed again: its
+    /// new rows now exist, so the inserts answer `row_already_exists`.
+    ReExecute,
+    /// A rebuild continuation is answered with the page before it again (a
+    /// stale stored page).
+    StaleRebuildPage,
 }
 
 /// Knobs of one whole-system run.
@@ -104,6 +110,10 @@ pub struct SimTransport {
     buf: Vec<u8>,
     duplicate_push: f64,
     mutant: Option<SystemMutant>,
+    /// The push whose answer the `ReExecute` bug lost, to execute again.
+    lost_push: Option<Vec<u8>>,
+    /// The last rebuild page answered, for the `StaleRebuildPage` bug.
+    last_rebuild_page: Option<Vec<u8>>,
     trace: Arc<Mutex<SystemTrace>>,
 }
 
@@ -125,6 +135,8 @@ impl SimTransport {
             buf: vec![0u8; MAX_FRAME],
             duplicate_push: scenario.duplicate_push,
             mutant,
+            lost_push: None,
+            last_rebuild_page: None,
             trace,
         }
     }
@@ -172,6 +184,37 @@ impl Transport for SimTransport {
                             self.mutant = None;
                             self.trace.lock().expect("trace").mutated = true;
                         }
+                        if endpoint == Endpoint::Push && status == 200
+                            && self.mutant == Some(SystemMutant::ReExecute)
+                        {
+                            let inserts = contains(body, b"\"op\":\"insert\"");
+                            let applied = contains(&b, b"\"applied\"");
+                            if self.lost_push.is_none() && inserts && applied {
+                                // The answer of a push that inserted rows is lost:
+                                // the client must send the same bytes again.
+                                self.lost_push = Some(body.to_vec());
+                                return Err(TransportError("the answer was lost".into()));
+                            }
+                            if self.lost_push.as_deref() == Some(body)
+                                && let Some(again) = re_executed(&b)
+                            {
+                                b = again;
+                                self.mutant = None;
+                                self.trace.lock().expect("trace").mutated = true;
+                            }
+                        }
+                        if endpoint == Endpoint::Rebuild && status == 200 {
+                            let continued = !contains(body, b"\"cursor\":null");
+                            if continued && self.mutant == Some(SystemMutant::StaleRebuildPage)
+                                && let Some(stale) = self.last_rebuild_page.take()
+                            {
+                                b = stale;
+                                self.mutant = None;
+                                self.trace.lock().expect("trace").mutated = true;
+                            } else {
+                                self.last_rebuild_page = Some(b.clone());
+                            }
+                        }
                         return Ok(Answer { status, retry_after: None, body: b });
                     }
                 }
@@ -210,6 +253,40 @@ fn drop_change(page: &[u8]) -> Option<Vec<u8>> {
     Some(json::to_canonical(&v))
 }
 
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The answer a server that executes a batch twice gives the second time:
+/// every applied outcome is now a `row_already_exists` conflict, with the
+/// row the first execution wrote.
+fn re_executed(answer: &[u8]) -> Option<Vec<u8>> {
+    let mut v = json::parse(answer).ok()?;
+    let Value::Object(o) = &mut v else {
+        return None;
+    };
+    let Some(Value::Array(accepted)) = o.insert("accepted".into(), Value::Array(Vec::new())) else {
+        return None;
+    };
+    let mut conflicts = Vec::new();
+    for mut outcome in accepted {
+        if let Value::Object(m) = &mut outcome {
+            m.insert("status".into(), Value::string("conflict"));
+            m.insert("code".into(), Value::string("row_already_exists"));
+            m.insert("message".into(), Value::string("the row already exists"));
+        }
+        conflicts.push(outcome);
+    }
+    if conflicts.is_empty() {
+        return None;
+    }
+    if let Some(Value::Array(rejected)) = o.get_mut("rejected") {
+        conflicts.append(rejected);
+        *rejected = conflicts;
+    }
+    Some(json::to_canonical(&v))
+}
+
 type Device = Client<MemoryStore, SimTransport>;
 
 /// One device as the run follows it, and what it authored.
@@ -220,10 +297,21 @@ struct Run {
     mismatched: Vec<String>,
 }
 
-fn config() -> Config {
+/// A device's config. The bugs' devices take the limits their bug needs:
+/// the stale-page bug's rebuilds at limit 1 (every scope of two rows or
+/// more takes a continuation), the dropped change's pulls in one page (so
+/// every page with a change is terminal, and its checksums judge it).
+fn config(mutant: Option<SystemMutant>) -> Config {
+    let mut pull_limit = thread_rng().gen_range(1..=4);
+    let mut rebuild_limit = thread_rng().gen_range(1..=3);
+    match mutant {
+        Some(SystemMutant::StaleRebuildPage) => rebuild_limit = 1,
+        Some(SystemMutant::DropChange) => pull_limit = 1000,
+        _ => {}
+    }
     Config {
-        pull_limit: thread_rng().gen_range(1..=4),
-        rebuild_limit: thread_rng().gen_range(1..=3),
+        pull_limit,
+        rebuild_limit,
         max_tries: 6,
         backoff_base: Duration::from_millis(100),
         backoff_cap: Duration::from_secs(3),
@@ -302,7 +390,7 @@ async fn device_main(
         MemoryStore::new(),
         transport,
         &client_id,
-        config(),
+        config(mutant),
         thread_rng().r#gen(),
     )
     .expect("open");
@@ -374,9 +462,14 @@ async fn device_main(
                 // The app restarts: only the local store survives.
                 run.mismatched.extend(run.client.take_mismatched());
                 let (store, transport) = run.client.into_parts();
-                run.client =
-                    Client::open(store, transport, &client_id, config(), thread_rng().r#gen())
-                        .expect("reopen");
+                run.client = Client::open(
+                    store,
+                    transport,
+                    &client_id,
+                    config(mutant),
+                    thread_rng().r#gen(),
+                )
+                .expect("reopen");
                 trace.lock().expect("trace").restarts += 1;
             }
             7 => {

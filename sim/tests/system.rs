@@ -70,3 +70,39 @@ async fn a_dropped_change_is_caught() {
         "the dropped change went unnoticed\n{reproduce}"
     );
 }
+
+/// A planted server bug: a push sent again after its answer was lost is
+/// executed again. Its inserts answer `row_already_exists`, and the judge
+/// reports each as a write applied twice.
+#[madsim::test]
+async fn a_replay_that_executes_again_is_caught() {
+    let reproduce = reproduce("a_replay_that_executes_again_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::ReExecute),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    assert!(
+        judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("executed twice"))),
+        "the second execution went unnoticed\n{reproduce}"
+    );
+}
+
+/// A planted server bug: a rebuild continuation gets the page before it
+/// again. The device refuses the page (its records are not after the ones
+/// it holds), and the run reports it.
+#[madsim::test]
+async fn a_stale_rebuild_page_is_caught() {
+    let reproduce = reproduce("a_stale_rebuild_page_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::StaleRebuildPage),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    assert!(
+        judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("row-identity order"))),
+        "the stale page went unnoticed\n{reproduce}"
+    );
+}
