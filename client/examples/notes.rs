@@ -79,7 +79,10 @@ mod device {
         std::fs::create_dir_all(&args.dir)?;
         let store = SqliteStore::open(&args.dir.join(format!("{}.db", args.device)))?;
         let transport = HttpTransport::bearer(args.server, &args.token);
-        let seed = now_micros() as u64;
+        // Fresh entropy on every open: the IDs the client makes never repeat.
+        let mut seed = [0u8; 8];
+        getrandom::fill(&mut seed).map_err(|e| format!("no OS entropy: {e}"))?;
+        let seed = u64::from_le_bytes(seed);
         let mut device = Client::open(store, transport, &args.device, Config::default(), seed)?;
         match args.command {
             Action::Sync => {

@@ -216,7 +216,10 @@ fn parse_manifest(text: &str) -> Result<Manifest, SyncError> {
 
 impl<S: LocalStore, T: Transport> Client<S, T> {
     /// Opens the client kept in `store` (a new one as `client_id` when the
-    /// store is empty). `seed` seeds its randomness: IDs and jitter.
+    /// store is empty). `seed` seeds its randomness: the batch, mutation
+    /// and rebuild IDs, and jitter. The IDs must never repeat, so a real
+    /// device passes fresh OS entropy on every open; tests and the
+    /// simulator pass their own deterministic seeds.
     pub fn open(
         mut store: S,
         transport: T,
