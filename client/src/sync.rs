@@ -205,6 +205,7 @@ pub struct Client<S: LocalStore, T: Transport> {
     /// Scopes whose terminal checksum differed, since last taken (kept
     /// apart from the report, which a later error in the same pull loses).
     mismatched: Vec<String>,
+    checks: page::Checks,
 }
 
 fn parse_manifest(text: &str) -> Result<Manifest, SyncError> {
@@ -251,7 +252,15 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
             session,
             manifest,
             mismatched: Vec::new(),
+            checks: page::Checks::default(),
         })
+    }
+
+    /// Plants a client bug for the simulator to catch: row checksums are
+    /// trusted as sent, never recomputed.
+    #[cfg(madsim)]
+    pub fn plant_trusting_row_checksums(&mut self) {
+        self.checks.trust_sent_row_checksums = true;
     }
 
     /// Every scope whose terminal checksum differed from the local copy
@@ -681,8 +690,13 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
             match (a.status, code_of(&a).as_str()) {
                 (200, _) => {
                     let manifest = self.connected()?.1.clone();
-                    let (t, applied) =
-                        page::pull_transition(&self.store, &self.session, &manifest, &a.body)?;
+                    let (t, applied) = page::pull_transition(
+                        &self.store,
+                        &self.session,
+                        &manifest,
+                        &a.body,
+                        self.checks,
+                    )?;
                     self.commit(t)?;
                     report.pages += 1;
                     report.changes += applied.changes;
@@ -727,7 +741,7 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                 match (a.status, code_of(&a).as_str()) {
                     (200, _) => {
                         let manifest = self.connected()?.1.clone();
-                        match attempt.apply(&self.session, &manifest, &a.body)? {
+                        match attempt.apply(&self.session, &manifest, &a.body, self.checks)? {
                             RebuildStep::More => continue,
                             RebuildStep::Done(t) => {
                                 self.commit(*t)?;

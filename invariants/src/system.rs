@@ -11,11 +11,17 @@
 //! - every accepted insert reached its author and every other client of
 //!   the author's user;
 //! - no terminal checksum ever differed from a client's copy (the run
-//!   damages none, so a mismatch means pages that did not add up).
+//!   damages none, so a mismatch means pages that did not add up);
+//! - every row a client holds digests, recomputed here from its content
+//!   and version, to the digest it holds (a client that trusted a sent
+//!   checksum holds rows the server never sent).
 
 use std::collections::BTreeMap;
 
-use protocol::digest::{Digest, RowIdentity};
+use protocol::digest::{Digest, RowIdentity, row_digest};
+use protocol::ids::ServerVersion;
+use protocol::json;
+use protocol::manifest::Manifest;
 use protocol::value::TypedValue;
 
 /// One mutation a client authored: a new note, or an edit of one.
@@ -35,6 +41,18 @@ pub struct Settled {
     pub code: Option<String>,
 }
 
+/// One row as a client holds it in one scope.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldRow {
+    pub scope: String,
+    pub table: String,
+    pub identity: Vec<u8>,
+    /// The complete row, JSON text.
+    pub row: String,
+    pub version: String,
+    pub digest: Digest,
+}
+
 /// One client at the end of a run.
 #[derive(Clone, Debug, Default)]
 pub struct ClientEnd {
@@ -48,6 +66,8 @@ pub struct ClientEnd {
     pub pending: usize,
     /// Scopes whose terminal checksum differed, every time one did.
     pub mismatched: Vec<String>,
+    /// Every row it holds, with its content.
+    pub held: Vec<HeldRow>,
 }
 
 /// The server at the end of a run.
@@ -57,6 +77,28 @@ pub struct ServerEnd {
     pub assigned: BTreeMap<String, Vec<String>>,
     /// scope -> members (row identity, digest) in identity order.
     pub members: BTreeMap<String, Vec<(Vec<u8>, Digest)>>,
+    /// The current manifest, to recompute held rows' digests under.
+    pub manifest: Option<Manifest>,
+}
+
+/// Whether `h`'s content and version digest to its digest under `m`.
+pub fn digests_to_itself(m: &Manifest, h: &HeldRow) -> bool {
+    let Some(table) = m.table(&h.table) else {
+        return false;
+    };
+    let Some(decoded) = json::parse(h.row.as_bytes())
+        .ok()
+        .and_then(|v| table.decode_row(v.as_object()?).ok())
+    else {
+        return false;
+    };
+    let (Some(key), Some(version)) = (table.row_key(&decoded), ServerVersion::parse(&h.version))
+    else {
+        return false;
+    };
+    let identity = RowIdentity::of(table, key);
+    identity.as_bytes() == h.identity.as_slice()
+        && row_digest(&m.hash(), table, &identity, &decoded, &version) == h.digest
 }
 
 fn note_identity(note: &str) -> Vec<u8> {
@@ -127,6 +169,14 @@ pub fn check_system(clients: &[ClientEnd], server: &ServerEnd) -> Result<(), Vec
         if !settled.is_empty() {
             v.push(format!("{id}: outcomes of mutations it never authored"));
         }
+        if let Some(m) = &server.manifest
+            && let Some(h) = c.held.iter().find(|h| !digests_to_itself(m, h))
+        {
+            v.push(format!(
+                "{id}: holds a {} row in {} whose content is not its digest",
+                h.table, h.scope
+            ));
+        }
         if !c.mismatched.is_empty() {
             v.push(format!(
                 "{id}: terminal checksums differed from its copy in {:?}",
@@ -196,6 +246,7 @@ mod tests {
                 ("b".to_owned(), vec!["user:u".to_owned()]),
             ]),
             members: BTreeMap::from([("user:u".to_owned(), rows.clone())]),
+            manifest: None,
         };
         (vec![a, client("b")], server)
     }

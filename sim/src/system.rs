@@ -25,7 +25,7 @@ use actors::testkit::push_config;
 use client::local::LocalStore;
 use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport, TransportError};
 use client::{Write, WriteOp};
-use invariants::system::{Authored, ClientEnd, ServerEnd, Settled};
+use invariants::system::{Authored, ClientEnd, HeldRow, ServerEnd, Settled};
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -47,6 +47,10 @@ pub enum SystemMutant {
     /// A rebuild continuation is answered with the page before it again (a
     /// stale stored page).
     StaleRebuildPage,
+    /// A client bug: the device takes row checksums as sent, unverified,
+    /// and one page carries a row whose title a server bug changed after
+    /// its checksum was computed.
+    TrustedChecksum,
 }
 
 /// Knobs of one whole-system run.
@@ -184,6 +188,14 @@ impl Transport for SimTransport {
                             self.mutant = None;
                             self.trace.lock().expect("trace").mutated = true;
                         }
+                        if endpoint == Endpoint::Pull && status == 200
+                            && self.mutant == Some(SystemMutant::TrustedChecksum)
+                            && let Some(forged) = forge_row(&b)
+                        {
+                            b = forged;
+                            self.mutant = None;
+                            self.trace.lock().expect("trace").mutated = true;
+                        }
                         if endpoint == Endpoint::Push && status == 200
                             && self.mutant == Some(SystemMutant::ReExecute)
                         {
@@ -250,6 +262,37 @@ fn drop_change(page: &[u8]) -> Option<Vec<u8>> {
     };
     let k = changes.iter().position(upsert)?;
     changes.remove(k);
+    Some(json::to_canonical(&v))
+}
+
+/// A pull page whose first upsert of a device's own note has another
+/// title, its checksum unchanged (a device's notes change only by the
+/// devices' edits, so the forged row tends to stay).
+fn forge_row(page: &[u8]) -> Option<Vec<u8>> {
+    let mut v = json::parse(page).ok()?;
+    let Value::Object(o) = &mut v else {
+        return None;
+    };
+    let Some(Value::Array(changes)) = o.get_mut("changes") else {
+        return None;
+    };
+    let change = changes.iter_mut().find(|c| {
+        let c = c.as_object();
+        let op = c.and_then(|c| c.get("op")).and_then(Value::as_str);
+        let id = c
+            .and_then(|c| c.get("pk"))
+            .and_then(Value::as_object)
+            .and_then(|pk| pk.get("fld_notes_id"))
+            .and_then(Value::as_str);
+        op == Some("upsert") && id.is_some_and(|id| id.contains("-a000-"))
+    })?;
+    let Value::Object(c) = change else {
+        return None;
+    };
+    let Some(Value::Object(row)) = c.get_mut("row") else {
+        return None;
+    };
+    row.insert("fld_notes_title".into(), Value::string("forged"));
     Some(json::to_canonical(&v))
 }
 
@@ -373,6 +416,30 @@ fn held_only_where_assigned(run: &Run, trace: &Mutex<SystemTrace>) {
             session.client_id, h.scope
         ));
     }
+    // And every row it holds is one the server sent: its content digests
+    // to the digest it holds (recomputed here, apart from the client).
+    if let Some(m) = run.client.manifest()
+        && let Some(h) = holdings
+            .iter()
+            .find(|h| !invariants::system::digests_to_itself(m, &held(h)))
+    {
+        trace.lock().expect("trace").violations.push(format!(
+            "{}: holds a {} row in {} whose content is not its digest",
+            session.client_id, h.table, h.scope
+        ));
+    }
+}
+
+/// A holding as the judge reads it.
+fn held(h: &client::local::Holding) -> HeldRow {
+    HeldRow {
+        scope: h.scope.clone(),
+        table: h.table.clone(),
+        identity: h.identity.clone(),
+        row: h.row.clone(),
+        version: h.version.clone(),
+        digest: Digest(h.digest),
+    }
 }
 
 /// A device: rounds of a write (new or an edit), a restart from its local
@@ -386,7 +453,7 @@ async fn device_main(
 ) -> Run {
     let transport = SimTransport::bind(index, &user, &scenario, mutant, trace.clone()).await;
     let client_id = format!("device-{index}");
-    let client = Client::open(
+    let mut client = Client::open(
         MemoryStore::new(),
         transport,
         &client_id,
@@ -394,6 +461,9 @@ async fn device_main(
         thread_rng().r#gen(),
     )
     .expect("open");
+    if mutant == Some(SystemMutant::TrustedChecksum) {
+        client.plant_trusting_row_checksums();
+    }
     let mut run = Run {
         client,
         user,
@@ -470,6 +540,9 @@ async fn device_main(
                     thread_rng().r#gen(),
                 )
                 .expect("reopen");
+                if mutant == Some(SystemMutant::TrustedChecksum) {
+                    run.client.plant_trusting_row_checksums();
+                }
                 trace.lock().expect("trace").restarts += 1;
             }
             7 => {
@@ -578,6 +651,7 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     }
     let mut t = trace.lock().expect("trace").clone();
     let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    t.server.manifest = tx.manifests().await.map_err(|e| e.to_string())?.pop();
     for run in &runs {
         let id = run.client.session().client_id.clone();
         let record = tx
@@ -629,6 +703,12 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
                 .collect(),
             pending: run.client.pending().map_err(|e| e.to_string())?,
             mismatched: run.mismatched.clone(),
+            held: store
+                .all_holdings()
+                .map_err(|e| e.to_string())?
+                .iter()
+                .map(held)
+                .collect(),
         });
     }
     drop(tx);

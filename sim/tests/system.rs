@@ -106,3 +106,22 @@ async fn a_stale_rebuild_page_is_caught() {
         "the stale page went unnoticed\n{reproduce}"
     );
 }
+
+/// A planted client bug: the device trusts row checksums as sent, and a
+/// page carries a row whose content is not its checksum's. Every digest
+/// then agrees with the server's, so only the judge's own recomputation of
+/// each held row catches it.
+#[madsim::test]
+async fn a_client_that_trusts_row_checksums_is_caught() {
+    let reproduce = reproduce("a_client_that_trusts_row_checksums_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::TrustedChecksum),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    assert!(
+        judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("is not its digest"))),
+        "the forged row went unnoticed\n{reproduce}"
+    );
+}
