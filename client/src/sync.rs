@@ -94,6 +94,10 @@ pub enum SyncError {
     Unsupported(String),
     /// An answer no conforming server sends; nothing of it was applied.
     Integrity(String),
+    /// A scope's assignment kept changing while the pull ran: its rebuild
+    /// was refused as not assigned round after round, while each pull page
+    /// kept it assigned. Transient: sync again later.
+    AssignmentChanging(String),
     /// The client has no generation or manifest yet: connect first.
     NotConnected,
 }
@@ -111,6 +115,9 @@ impl std::fmt::Display for SyncError {
             } => write!(f, "refused: {status} {code}: {message}"),
             SyncError::Unsupported(r) => write!(f, "the installed schema is unsupported ({r})"),
             SyncError::Integrity(e) => write!(f, "integrity: {e}"),
+            SyncError::AssignmentChanging(s) => {
+                write!(f, "the assignment of {s} kept changing; sync again later")
+            }
             SyncError::NotConnected => write!(f, "not connected"),
         }
     }
@@ -657,8 +664,8 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
     pub async fn pull(&mut self) -> Result<PullReport, SyncError> {
         let mut report = PullReport::default();
         let mut reconnects = 0;
-        // Rebuilds refused in a row per scope, with the last refusal.
-        let mut refused_rebuilds: BTreeMap<String, (u32, SyncError)> = BTreeMap::new();
+        // Rebuilds refused in a row per scope.
+        let mut refused_rebuilds: BTreeMap<String, u32> = BTreeMap::new();
         while report.pages < self.config.max_pages {
             let needing: Vec<String> = (self.session.scopes.iter())
                 .filter(|(_, c)| c.is_none())
@@ -672,14 +679,15 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                     }
                     Ok(false) => {}
                     // Revoked since the last pull, which reconciles it away
-                    // (or granted again, and the next attempt works). One
-                    // refused round after round is no lost assignment.
-                    Err(e @ SyncError::Refused { status: 400, .. }) => {
-                        let n = refused_rebuilds.get(&scope).map_or(0, |(n, _)| *n) + 1;
+                    // (or granted again, and the next attempt works). A scope
+                    // revoked and granted again between every rebuild and
+                    // pull is a race the caller waits out.
+                    Err(SyncError::Refused { status: 400, .. }) => {
+                        let n = refused_rebuilds.get(&scope).copied().unwrap_or(0) + 1;
                         if n > MAX_REFUSED_REBUILDS {
-                            return Err(e);
+                            return Err(SyncError::AssignmentChanging(scope));
                         }
-                        refused_rebuilds.insert(scope, (n, e));
+                        refused_rebuilds.insert(scope, n);
                     }
                     Err(e) => return Err(e),
                 }

@@ -786,3 +786,38 @@ async fn a_schema_mismatch_reconnects_and_goes_on() {
         "the first connect, then one per mismatch"
     );
 }
+
+/// A scope whose rebuild is refused as not assigned while every pull page
+/// keeps it assigned (a grant revoked and given again between each rebuild
+/// and pull) is reported as a transient race, and the next sync works.
+#[tokio::test]
+async fn an_assignment_that_keeps_changing_is_a_transient_error() {
+    let w = world(10).await;
+    let mut a = device(&w, "u1", "device-a", 14);
+    a.connect().await.unwrap();
+    let not_assigned = Answer {
+        status: 400,
+        retry_after: None,
+        body: b"{\"error\":{\"code\":\"invalid_request\",\"message\":\"the scope is not assigned to this client\",\"retryable\":false}}".to_vec(),
+    };
+    a.transport_mut().plan(move |e, _| match e {
+        Endpoint::Rebuild => Fault::Answer(not_assigned.clone()),
+        _ => Fault::Pass,
+    });
+    assert_eq!(
+        a.pull().await,
+        Err(SyncError::AssignmentChanging("templates_public".into()))
+    );
+    assert_eq!(
+        a.transport_mut().sent(Endpoint::Rebuild).len(),
+        7,
+        "three rounds of both scopes' rebuilds, then the first one's fourth refusal"
+    );
+    a.transport_mut().plan(|_, _| Fault::Pass);
+    let report = a.pull().await.unwrap();
+    assert_eq!(
+        report.rebuilt.len(),
+        2,
+        "both scopes rebuilt once it settles"
+    );
+}

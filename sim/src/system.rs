@@ -377,7 +377,14 @@ fn client_version() -> String {
 /// One sync; an error a fault explains is left for the next round.
 fn absorb(result: Result<(), SyncError>, run: &Run, trace: &Mutex<SystemTrace>) {
     match result {
-        Ok(()) | Err(SyncError::Unreachable(_) | SyncError::Unavailable(_)) => {}
+        // (An assignment that kept changing is the operator's grants racing
+        // the device's rounds: transient, as for the device.)
+        Ok(())
+        | Err(
+            SyncError::Unreachable(_)
+            | SyncError::Unavailable(_)
+            | SyncError::AssignmentChanging(_),
+        ) => {}
         Err(e) => trace
             .lock()
             .expect("trace")
@@ -571,7 +578,11 @@ async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> 
                     return Ok(());
                 }
             }
-            Err(SyncError::Unreachable(_) | SyncError::Unavailable(_)) => {
+            Err(
+                SyncError::Unreachable(_)
+                | SyncError::Unavailable(_)
+                | SyncError::AssignmentChanging(_),
+            ) => {
                 run.mismatched.extend(run.client.take_mismatched());
             }
             Err(e) => {
