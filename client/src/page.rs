@@ -85,12 +85,14 @@ pub(crate) struct VerifiedRow {
     pub version: String,
 }
 
-/// What the client checks of a page beyond its shape. Everything, always;
-/// only the simulator plants the bug of trusting the sent row checksums.
+/// What the client checks and does of a page beyond its shape. Everything,
+/// always; only the simulator plants the bugs these flags stand for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Checks {
     /// A planted bug: a row's `row_checksum` is taken as its digest, unverified.
     pub trust_sent_row_checksums: bool,
+    /// A planted bug: a removed scope leaves the active set, its rows stay.
+    pub keep_removed_rows: bool,
 }
 
 /// Checks a change's or record's row: its table is known, `pk` is one
@@ -242,7 +244,9 @@ pub(crate) fn pull_transition<S: LocalStore>(
             return invalid("a removed scope is not a string");
         };
         next.scopes.remove(s);
-        t.clear.push(s.to_owned());
+        if !checks.keep_removed_rows {
+            t.clear.push(s.to_owned());
+        }
         applied.removed.push(s.to_owned());
     }
     for a in array(updates, "add")? {

@@ -270,6 +270,13 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
         self.checks.trust_sent_row_checksums = true;
     }
 
+    /// Plants a client bug for the simulator to catch: a scope the server
+    /// removes leaves the active set, but its rows stay.
+    #[cfg(madsim)]
+    pub fn plant_keeping_removed_rows(&mut self) {
+        self.checks.keep_removed_rows = true;
+    }
+
     /// Every scope whose terminal checksum differed from the local copy
     /// (each was rebuilt) since the last call, oldest first.
     pub fn take_mismatched(&mut self) -> Vec<String> {

@@ -15,6 +15,10 @@
 //! - every row a client holds digests, recomputed here from its content
 //!   and version, to the digest it holds (a client that trusted a sent
 //!   checksum holds rows the server never sent).
+//!
+//! And on every page a client applies, apart from the server's own view
+//! ([`assigned_during`]): it then holds rows only of scopes its user was
+//! assigned at some instant while that page was made.
 
 use std::collections::BTreeMap;
 
@@ -99,6 +103,57 @@ pub fn digests_to_itself(m: &Manifest, h: &HeldRow) -> bool {
     let identity = RowIdentity::of(table, key);
     identity.as_bytes() == h.identity.as_slice()
         && row_digest(&m.hash(), table, &identity, &decoded, &version) == h.digest
+}
+
+/// One operator change of a grant, as the run saw it happen: it took
+/// effect at some instant of `[from, to]` (microseconds). One operator
+/// makes the changes one after another, so their spans do not overlap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GrantChange {
+    pub user: String,
+    pub scope: String,
+    pub granted: bool,
+    pub from: i64,
+    pub to: i64,
+}
+
+/// Whether `user` may have held a grant of `scope` at some instant of
+/// `[a, b]`: granted when `a` came (by the last change that had surely
+/// happened, none meaning not granted), or granted by a change that may
+/// have happened within the span.
+pub fn granted_during(changes: &[GrantChange], user: &str, scope: &str, a: i64, b: i64) -> bool {
+    debug_assert!(
+        changes.windows(2).all(|w| w[0].to <= w[1].from),
+        "grant changes come one after another"
+    );
+    let mine = || {
+        changes
+            .iter()
+            .filter(|c| c.user == user && c.scope == scope)
+    };
+    let at_start = mine().rfind(|c| c.to <= a).is_some_and(|c| c.granted);
+    at_start || mine().any(|c| c.granted && c.from <= b && c.to >= a)
+}
+
+/// The per-page check: each scope in `held` (the scopes a client holds
+/// rows of, just after applying a page made within `[a, b]`) is one of
+/// `fixed` (the user's own and shared scopes, always assigned) or was
+/// granted to `user` at some instant of the span.
+pub fn assigned_during<'a>(
+    held: impl IntoIterator<Item = &'a str>,
+    fixed: &[String],
+    changes: &[GrantChange],
+    user: &str,
+    (a, b): (i64, i64),
+) -> Result<(), String> {
+    for scope in held {
+        if !fixed.iter().any(|f| f == scope) && !granted_during(changes, user, scope, a, b) {
+            return Err(format!(
+                "holds rows of {scope} after a page, which its user was not assigned while the page was made"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn note_identity(note: &str) -> Vec<u8> {
@@ -271,5 +326,53 @@ mod tests {
             b(&mut c);
             assert!(check_system(&c, &server).is_err(), "defect {k} is caught");
         }
+    }
+
+    fn change(scope: &str, granted: bool, from: i64, to: i64) -> GrantChange {
+        GrantChange {
+            user: "u".into(),
+            scope: scope.into(),
+            granted,
+            from,
+            to,
+        }
+    }
+
+    #[test]
+    fn a_page_may_hold_only_what_was_assigned_while_it_was_made() {
+        // team:a granted within [10, 12], revoked within [20, 25].
+        let log = [
+            change("team:a", true, 10, 12),
+            change("team:a", false, 20, 25),
+        ];
+        let fixed = ["user:u".to_owned()];
+        let judge =
+            |held: &[&str], span| assigned_during(held.iter().copied(), &fixed, &log, "u", span);
+        assert_eq!(judge(&["user:u"], (0, 5)), Ok(()), "its own scope, always");
+        assert!(judge(&["team:a"], (0, 9)).is_err(), "before the grant");
+        assert_eq!(
+            judge(&["team:a"], (0, 10)),
+            Ok(()),
+            "the grant may have happened"
+        );
+        assert_eq!(judge(&["team:a"], (13, 19)), Ok(()), "granted throughout");
+        assert_eq!(
+            judge(&["team:a"], (24, 30)),
+            Ok(()),
+            "the revoke may not have happened"
+        );
+        assert!(judge(&["team:a"], (26, 30)).is_err(), "after the revoke");
+        assert!(
+            judge(&["user:u", "team:b"], (13, 19)).is_err(),
+            "never granted"
+        );
+        let other = [GrantChange {
+            user: "v".into(),
+            ..change("team:a", true, 0, 1)
+        }];
+        assert!(
+            assigned_during(["team:a"], &fixed, &other, "u", (5, 6)).is_err(),
+            "another user's grant"
+        );
     }
 }

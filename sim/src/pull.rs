@@ -27,6 +27,7 @@ use actors::testkit::{
 };
 use invariants::pull::{EffectView, RebuildStep, Rebuilding, Replica};
 use invariants::rebuild::PageLog;
+use invariants::system::GrantChange;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -502,7 +503,11 @@ impl Client {
 
 /// The scope's effects since the stream began through `through`, as the
 /// checker sees them.
-async fn effects_of(store: &MemStore, scope: &str, through: Boundary) -> Vec<EffectView> {
+pub(crate) async fn effects_of(
+    store: &MemStore,
+    scope: &str,
+    through: Boundary,
+) -> Vec<EffectView> {
     let scope = ScopeId::parse(scope).expect("scope");
     let mut tx = store.begin().await.expect("begin");
     let effects = tx
@@ -580,7 +585,7 @@ async fn across_generations(
 }
 
 /// The capture boundary now.
-async fn boundary_now(store: &MemStore) -> Boundary {
+pub(crate) async fn boundary_now(store: &MemStore) -> Boundary {
     let mut tx = store.begin().await.expect("begin");
     tx.capture_progress().await.expect("progress").boundary
 }
@@ -594,7 +599,7 @@ fn differs(held: Option<&invariants::pull::LocalRow>, e: &EffectView) -> bool {
 }
 
 /// `e` is its row's last effect so far: nothing will cover it.
-fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
+pub(crate) fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
     !effects
         .iter()
         .any(|l| l.identity == e.identity && l.position > e.position)
@@ -988,15 +993,32 @@ async fn capture_stalls(store: MemStore, stop: Arc<AtomicBool>) -> Duration {
 }
 
 /// The operator: grants and revokes team scopes.
-pub(crate) async fn operator(store: MemStore, users: usize, stop: Arc<AtomicBool>) {
+/// Each change is written to `log` (when given) with the span it happened in.
+pub(crate) async fn operator(
+    store: MemStore,
+    users: usize,
+    stop: Arc<AtomicBool>,
+    log: Option<Arc<Mutex<Vec<GrantChange>>>>,
+) {
     while !stop.load(Ordering::Relaxed) {
         sleep(Duration::from_millis(thread_rng().gen_range(200..900))).await;
         let user = format!("user-{}", thread_rng().gen_range(0..users));
         let scope = format!("team:t{}", thread_rng().gen_range(0..TEAMS));
-        if thread_rng().gen_bool(0.6) {
+        let granted = thread_rng().gen_bool(0.6);
+        let from = now_micros();
+        if granted {
             store.grant(&user, &scope).await;
         } else {
             store.revoke(&user, &scope).await;
+        }
+        if let Some(log) = &log {
+            log.lock().expect("log").push(GrantChange {
+                user,
+                scope,
+                granted,
+                from,
+                to: now_micros(),
+            });
         }
     }
 }
@@ -1022,7 +1044,7 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
-    let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone()));
+    let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone(), None));
     let stalls = database.spawn(capture_stalls(store.clone(), stop.clone()));
     // A third of the way through the clients' pulls, so most come after
     // it, and once every client holds cursors of the old generation.

@@ -664,6 +664,7 @@ impl Store for RemoteStore {
                 seq: 0,
                 source_end: 0,
                 baseline,
+                tripwire: self.tripwire.clone(),
             })),
             Answer::Feed(Ok(None)) => Ok(None),
             Answer::Feed(Err(e)) => Err(e),
@@ -768,6 +769,8 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
         Op::PutRebuildPage(_, 0, _) => Some(CrashPoint::FirstPage),
         Op::PutRebuildPage(..) => Some(CrashPoint::LaterPage),
         Op::CompleteBaseline(_) => Some(CrashPoint::MidBaseline),
+        Op::RecordPush(_) => Some(CrashPoint::MidPush),
+        Op::PutCheckpoints(..) => Some(CrashPoint::MidPull),
         _ => None,
     }
 }
@@ -779,6 +782,7 @@ pub struct RemoteFeed {
     seq: u64,
     source_end: Lsn,
     baseline: Option<Baseline>,
+    tripwire: Option<Arc<Tripwire>>,
 }
 
 impl RemoteFeed {
@@ -841,6 +845,9 @@ impl ChangeFeed for RemoteFeed {
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        if let Some(wire) = &self.tripwire {
+            wire.reach(CrashPoint::BeforeAcknowledge).await;
+        }
         match self.call(FeedOp::Acknowledge(end_lsn)).await? {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),

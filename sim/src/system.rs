@@ -21,11 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actors::store::{MemStore, Store, StoreTx};
-use actors::testkit::push_config;
-use client::local::LocalStore;
+use actors::testkit::{cursor_bindings, cursor_position, mint_cursor, push_config};
+use client::local::{
+    Holding, LocalError, LocalStore, QueuedWrite, SealedBatch, Session, SettledOutcome, Transition,
+};
 use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport, TransportError};
 use client::{Write, WriteOp};
-use invariants::system::{Authored, ClientEnd, HeldRow, ServerEnd, Settled};
+use invariants::system::{Authored, ClientEnd, GrantChange, HeldRow, ServerEnd, Settled};
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -34,7 +36,7 @@ use protocol::digest::Digest;
 use protocol::json::{self, Value};
 
 use crate::tripwire::{CrashPoint, Tripwire};
-use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request};
+use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros};
 
 /// A server bug planted in what one device receives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +46,9 @@ pub enum SystemMutant {
     /// A push sent again after its answer was lost is executed again: its
     /// new rows now exist, so the inserts answer `row_already_exists`.
     ReExecute,
+    /// One pull page's cursor of a scope stands one effect too far: past
+    /// an upsert that came after the page, which the device then never gets.
+    CursorTooFar,
     /// A rebuild continuation is answered with the page before it again (a
     /// stale stored page).
     StaleRebuildPage,
@@ -51,6 +56,9 @@ pub enum SystemMutant {
     /// and one page carries a row whose title a server bug changed after
     /// its checksum was computed.
     TrustedChecksum,
+    /// A client bug: a scope the server removes leaves the device's active
+    /// set, but its rows stay.
+    KeepRemovedRows,
 }
 
 /// Knobs of one whole-system run.
@@ -91,6 +99,8 @@ pub struct SystemTrace {
     pub clients: Vec<ClientEnd>,
     pub server: ServerEnd,
     pub crashes: usize,
+    /// The aimed crashes, by the point each stopped the server at.
+    pub tripped: Vec<CrashPoint>,
     /// Requests that got no answer in time.
     pub lost: usize,
     /// Pushes sent twice at once.
@@ -101,6 +111,132 @@ pub struct SystemTrace {
     pub pages: u32,
     pub rebuilt: usize,
     pub mutated: bool,
+}
+
+/// Grant changes as the operator made them.
+type GrantLog = Arc<Mutex<Vec<GrantChange>>>;
+
+/// A device's local store, watched for the per-page check: the commit that
+/// applies a pull or rebuild page (the first commit without outbox changes
+/// after its answer, before the next request) must leave the device holding
+/// rows only of scopes its user was assigned while that page was made
+/// (`invariants::system::assigned_during`, judged by the operator's log).
+#[derive(Clone)]
+pub struct Watched {
+    inner: Arc<Mutex<MemoryStore>>,
+    watch: Arc<Watch>,
+}
+
+struct Watch {
+    client_id: String,
+    /// The user's scopes no operator changes: its own and the shared one.
+    fixed: Vec<String>,
+    user: String,
+    grants: GrantLog,
+    /// The span of the page answered last, until it is applied or the next
+    /// request goes out.
+    page: Mutex<Option<(i64, i64)>>,
+    /// When the last connect or pull answered 200 was sent. The server
+    /// reconciles the assignment it records only there, after that
+    /// instant; a rebuild is judged by the recorded one (ADR 003: "Rebuild
+    /// does not reconcile assignment").
+    reconciled_after: Mutex<Option<i64>>,
+    trace: Arc<Mutex<SystemTrace>>,
+}
+
+impl Watched {
+    fn new(client_id: &str, user: &str, grants: GrantLog, trace: Arc<Mutex<SystemTrace>>) -> Self {
+        Watched {
+            inner: Arc::new(Mutex::new(MemoryStore::new())),
+            watch: Arc::new(Watch {
+                client_id: client_id.to_owned(),
+                fixed: vec![format!("user:{user}"), "templates_public".to_owned()],
+                user: user.to_owned(),
+                grants,
+                page: Mutex::new(None),
+                reconciled_after: Mutex::new(None),
+                trace,
+            }),
+        }
+    }
+
+    fn store(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
+        self.inner.lock().expect("store")
+    }
+
+    /// A request goes out: the page answered before it was applied or not.
+    fn request_sent(&self) {
+        *self.watch.page.lock().expect("page") = None;
+    }
+
+    /// A 200 answer to a request sent at `sent`. A pull page was made
+    /// under the assignment at some instant since; a rebuild page under
+    /// the one recorded since the last reconciliation.
+    fn answered(&self, endpoint: Endpoint, sent: i64) {
+        let mut reconciled = self.watch.reconciled_after.lock().expect("reconciled");
+        let since = match endpoint {
+            Endpoint::Connect | Endpoint::Pull => *reconciled.insert(sent),
+            Endpoint::Rebuild => reconciled.unwrap_or(sent),
+            Endpoint::Push => return,
+        };
+        if endpoint != Endpoint::Connect {
+            *self.watch.page.lock().expect("page") = Some((since, now_micros()));
+        }
+    }
+
+    /// The per-page check, once the page's transition is committed.
+    fn judge(&self, span: (i64, i64)) {
+        let holdings = self.store().all_holdings().expect("holdings");
+        let scopes: std::collections::BTreeSet<&str> =
+            holdings.iter().map(|h| h.scope.as_str()).collect();
+        let w = &self.watch;
+        let grants = w.grants.lock().expect("grants");
+        if let Err(m) =
+            invariants::system::assigned_during(scopes, &w.fixed, &grants, &w.user, span)
+        {
+            w.trace
+                .lock()
+                .expect("trace")
+                .violations
+                .push(format!("{}: {m}", w.client_id));
+        }
+    }
+}
+
+impl LocalStore for Watched {
+    fn session(&self) -> Result<Option<Session>, LocalError> {
+        self.store().session()
+    }
+    fn holdings(&self, scope: &str) -> Result<Vec<Holding>, LocalError> {
+        self.store().holdings(scope)
+    }
+    fn all_holdings(&self) -> Result<Vec<Holding>, LocalError> {
+        self.store().all_holdings()
+    }
+    fn queued(&self) -> Result<Vec<QueuedWrite>, LocalError> {
+        self.store().queued()
+    }
+    fn sealed(&self) -> Result<Vec<SealedBatch>, LocalError> {
+        self.store().sealed()
+    }
+    fn outcomes(&self) -> Result<Vec<SettledOutcome>, LocalError> {
+        self.store().outcomes()
+    }
+    fn commit(&mut self, t: Transition) -> Result<(), LocalError> {
+        // (A write, a seal or a settle changes the outbox; a page never does.)
+        let applies_page = t.outbox.is_empty();
+        self.store().commit(t)?;
+        let answered = self
+            .watch
+            .page
+            .lock()
+            .expect("page")
+            .take_if(|_| applies_page);
+        if let Some(span) = answered {
+            self.judge(span);
+        }
+        Ok(())
+    }
 }
 
 /// A device's transport: one datagram per try (two at once for a
@@ -118,6 +254,11 @@ pub struct SimTransport {
     lost_push: Option<Vec<u8>>,
     /// The last rebuild page answered, for the `StaleRebuildPage` bug.
     last_rebuild_page: Option<Vec<u8>>,
+    /// The server's store, where the `CursorTooFar` bug reads effects and
+    /// mints its cursor.
+    store: MemStore,
+    /// The device's store, told of each request and page answered.
+    local: Watched,
     trace: Arc<Mutex<SystemTrace>>,
 }
 
@@ -127,6 +268,8 @@ impl SimTransport {
         user: &str,
         scenario: &SystemScenario,
         mutant: Option<SystemMutant>,
+        store: MemStore,
+        local: Watched,
         trace: Arc<Mutex<SystemTrace>>,
     ) -> SimTransport {
         SimTransport {
@@ -141,6 +284,8 @@ impl SimTransport {
             mutant,
             lost_push: None,
             last_rebuild_page: None,
+            store,
+            local,
             trace,
         }
     }
@@ -160,6 +305,8 @@ impl Transport for SimTransport {
         if twice {
             self.trace.lock().expect("trace").duplicated += 1;
         }
+        self.local.request_sent();
+        let sent = now_micros();
         let mut ids = Vec::new();
         for _ in 0..if twice { 2 } else { 1 } {
             self.next_id += 1;
@@ -196,6 +343,14 @@ impl Transport for SimTransport {
                             self.mutant = None;
                             self.trace.lock().expect("trace").mutated = true;
                         }
+                        if endpoint == Endpoint::Pull && status == 200
+                            && self.mutant == Some(SystemMutant::CursorTooFar)
+                            && let Some(far) = cursor_too_far(&self.store, &self.user, body, &b).await
+                        {
+                            b = far;
+                            self.mutant = None;
+                            self.trace.lock().expect("trace").mutated = true;
+                        }
                         if endpoint == Endpoint::Push && status == 200
                             && self.mutant == Some(SystemMutant::ReExecute)
                         {
@@ -227,11 +382,43 @@ impl Transport for SimTransport {
                                 self.last_rebuild_page = Some(b.clone());
                             }
                         }
+                        if status == 200 {
+                            if endpoint == Endpoint::Pull
+                                && self.mutant == Some(SystemMutant::KeepRemovedRows)
+                                && self.removes_held_scope(&b)
+                            {
+                                self.trace.lock().expect("trace").mutated = true;
+                            }
+                            self.local.answered(endpoint, sent);
+                        }
                         return Ok(Answer { status, retry_after: None, body: b });
                     }
                 }
             }
         }
+    }
+}
+
+impl SimTransport {
+    /// Whether `page` removes a scope the device holds rows of (so the
+    /// `KeepRemovedRows` bug keeps them).
+    fn removes_held_scope(&self, page: &[u8]) -> bool {
+        let Ok(v) = json::parse(page) else {
+            return false;
+        };
+        let removed = v
+            .as_object()
+            .and_then(|o| o.get("scope_updates"))
+            .and_then(Value::as_object)
+            .and_then(|u| u.get("remove"));
+        let Some(Value::Array(removed)) = removed else {
+            return false;
+        };
+        let store = self.local.store();
+        removed
+            .iter()
+            .filter_map(Value::as_str)
+            .any(|s| store.holdings(s).is_ok_and(|h| !h.is_empty()))
     }
 }
 
@@ -296,6 +483,56 @@ fn forge_row(page: &[u8]) -> Option<Vec<u8>> {
     Some(json::to_canonical(&v))
 }
 
+/// The pull page with the user scope's cursor moved past the first upsert
+/// after it of a device's note that is its row's last effect so far (so
+/// no later change is likely to cover it), if there is one. The cursor is
+/// authentic: minted under the server's keys with the device's bindings.
+async fn cursor_too_far(
+    store: &MemStore,
+    user: &str,
+    request: &[u8],
+    page: &[u8],
+) -> Option<Vec<u8>> {
+    let request = json::parse(request).ok()?;
+    let request = request.as_object()?;
+    let client_id = request.get("client_id")?.as_str()?;
+    let Value::Number(generation) = request.get("client_generation")? else {
+        return None;
+    };
+    let generation = u64::try_from(generation.as_exact_i64()?).ok()?;
+    let mut v = json::parse(page).ok()?;
+    let Value::Object(o) = &mut v else {
+        return None;
+    };
+    let Some(Value::Object(cursors)) = o.get_mut("scope_cursors") else {
+        return None;
+    };
+    let now = crate::pull::boundary_now(store).await;
+    let mut moved = None;
+    // The user's own scope, never revoked (a revoked scope is rebuilt when
+    // granted again, which would heal the loss).
+    for (scope, token) in cursors.iter().filter(|(s, _)| s.starts_with("user:")) {
+        let at = cursor_position(store, token.as_str()?).await;
+        let effects = crate::pull::effects_of(store, scope, now).await;
+        // A device's own note: only the devices' rare edits change it again.
+        let skipped = effects.iter().find(|e| {
+            e.position > at
+                && !e.removes
+                && !e.tombstone
+                && contains(&e.identity, b"-a000-")
+                && crate::pull::is_last(&effects, e)
+        });
+        if let Some(e) = skipped {
+            let b = cursor_bindings(store, user, client_id, generation, scope, e.position).await;
+            moved = Some((scope.clone(), mint_cursor(store, &b).await));
+            break;
+        }
+    }
+    let (scope, token) = moved?;
+    cursors.insert(scope, Value::string(token));
+    Some(json::to_canonical(&v))
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
@@ -330,7 +567,7 @@ fn re_executed(answer: &[u8]) -> Option<Vec<u8>> {
     Some(json::to_canonical(&v))
 }
 
-type Device = Client<MemoryStore, SimTransport>;
+type Device = Client<Watched, SimTransport>;
 
 /// One device as the run follows it, and what it authored.
 struct Run {
@@ -405,13 +642,13 @@ async fn sync(run: &mut Run, trace: &Mutex<SystemTrace>) {
     };
     run.mismatched.extend(run.client.take_mismatched());
     absorb(result, run, trace);
-    held_only_where_assigned(run, trace);
+    judge_holdings(run, trace);
 }
 
 /// After every sync (every page applied, a failed one's included): the
 /// device holds rows only of scopes it is assigned; a removed scope's rows
 /// left with it, in the same transition.
-fn held_only_where_assigned(run: &Run, trace: &Mutex<SystemTrace>) {
+fn judge_holdings(run: &Run, trace: &Mutex<SystemTrace>) {
     let session = run.client.session();
     let holdings = run.client.store().all_holdings().expect("holdings");
     if let Some(h) = holdings
@@ -449,6 +686,15 @@ fn held(h: &client::local::Holding) -> HeldRow {
     }
 }
 
+/// The client bug a mutant stands for, planted in a device just opened.
+fn plant(client: &mut Device, mutant: Option<SystemMutant>) {
+    match mutant {
+        Some(SystemMutant::TrustedChecksum) => client.plant_trusting_row_checksums(),
+        Some(SystemMutant::KeepRemovedRows) => client.plant_keeping_removed_rows(),
+        _ => {}
+    }
+}
+
 /// A device: rounds of a write (new or an edit), a restart from its local
 /// store, or an absence, each followed by a sync.
 async fn device_main(
@@ -456,21 +702,31 @@ async fn device_main(
     user: String,
     scenario: SystemScenario,
     mutant: Option<SystemMutant>,
+    store: MemStore,
+    grants: GrantLog,
     trace: Arc<Mutex<SystemTrace>>,
 ) -> Run {
-    let transport = SimTransport::bind(index, &user, &scenario, mutant, trace.clone()).await;
     let client_id = format!("device-{index}");
+    let local = Watched::new(&client_id, &user, grants, trace.clone());
+    let transport = SimTransport::bind(
+        index,
+        &user,
+        &scenario,
+        mutant,
+        store,
+        local.clone(),
+        trace.clone(),
+    )
+    .await;
     let mut client = Client::open(
-        MemoryStore::new(),
+        local,
         transport,
         &client_id,
         config(mutant),
         thread_rng().r#gen(),
     )
     .expect("open");
-    if mutant == Some(SystemMutant::TrustedChecksum) {
-        client.plant_trusting_row_checksums();
-    }
+    plant(&mut client, mutant);
     let mut run = Run {
         client,
         user,
@@ -547,9 +803,7 @@ async fn device_main(
                     thread_rng().r#gen(),
                 )
                 .expect("reopen");
-                if mutant == Some(SystemMutant::TrustedChecksum) {
-                    run.client.plant_trusting_row_checksums();
-                }
+                plant(&mut run.client, mutant);
                 trace.lock().expect("trace").restarts += 1;
             }
             7 => {
@@ -600,7 +854,7 @@ async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> 
 pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    let (tripwire, trips) = Tripwire::arm(&CrashPoint::REBUILD);
+    let (tripwire, trips) = Tripwire::arm(&CrashPoint::SYSTEM);
     let tripwire = Arc::new(tripwire);
     let database = {
         let tripwire = tripwire.clone();
@@ -609,6 +863,21 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
         })
     };
     let trace = Arc::new(Mutex::new(SystemTrace::default()));
+    // (Before the setup's own catching up: a tripwire may stop the first
+    // acknowledgement, and only the crasher lets it go on.)
+    let crasher = {
+        let trace = trace.clone();
+        crate::crash_server(
+            scenario.server_crashes,
+            1_000..15_000,
+            Some(trips),
+            move |point| {
+                let mut t = trace.lock().expect("trace");
+                t.crashes += 1;
+                t.tripped.extend(point);
+            },
+        )
+    };
     store
         .install_capture(&actors::capture::CapturePlan::new(&push_config()))
         .await
@@ -618,7 +887,13 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     let users = scenario.users;
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(crate::pull::application(store.clone(), users, stop.clone()));
-    let ops = database.spawn(crate::pull::operator(store.clone(), users, stop.clone()));
+    let grants: GrantLog = Arc::default();
+    let ops = database.spawn(crate::pull::operator(
+        store.clone(),
+        users,
+        stop.clone(),
+        Some(grants.clone()),
+    ));
     let mut tasks = Vec::new();
     for i in 0..users * scenario.devices {
         let user = format!("user-{}", i % users);
@@ -628,18 +903,14 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
             .ip(format!("10.0.2.{}", i + 1).parse().expect("ip"))
             .build();
         let mutant = if i == 0 { scenario.mutant } else { None };
-        let (scenario, trace) = (scenario.clone(), trace.clone());
-        tasks.push(node.spawn(device_main(i, user, scenario, mutant, trace)));
+        let (scenario, store, grants, trace) = (
+            scenario.clone(),
+            store.clone(),
+            grants.clone(),
+            trace.clone(),
+        );
+        tasks.push(node.spawn(device_main(i, user, scenario, mutant, store, grants, trace)));
     }
-    let crasher = {
-        let trace = trace.clone();
-        crate::crash_server(
-            scenario.server_crashes,
-            1_000..15_000,
-            Some(trips),
-            move |_| trace.lock().expect("trace").crashes += 1,
-        )
-    };
     let mut runs = Vec::new();
     for t in tasks {
         runs.push(t.await.map_err(|e| format!("device failed: {e}"))?);

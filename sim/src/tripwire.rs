@@ -1,8 +1,10 @@
 //! Crashes aimed at a point inside a server operation. Random crashes land
 //! wherever the run happens to be; a tripwire makes sure the server also
 //! dies exactly where the protocol is most fragile: with a rebuild's stage
-//! written but not sealed, with a page built but not yet stored, or with a
-//! baseline written but not committed. The
+//! written but not sealed, with a page built but not yet stored, with a
+//! baseline written but not committed, with a push's writes done but not
+//! recorded, inside a pull, or with a group materialized but not
+//! acknowledged to the slot. The
 //! server reaches an armed point, the tripwire tells the crasher and parks
 //! the operation, and the crasher kills the server there, before the
 //! operation reaches the database. The open transaction is then rolled back
@@ -13,6 +15,7 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
+use madsim::rand::{Rng, thread_rng};
 use tokio::sync::mpsc;
 
 /// A point inside a server operation where the simulation can kill it.
@@ -28,9 +31,28 @@ pub enum CrashPoint {
     /// Every chunk of the baseline is written; the transaction is about to
     /// record it complete and commit (ADR 0011).
     MidBaseline,
+    /// A push's writes are done in its transaction; its ledger record is
+    /// about to be written (and the whole transaction commits after it).
+    MidPush,
+    /// A pull's transaction is about to write the checkpoints of the
+    /// cursors it was shown (the delayed acknowledgement).
+    MidPull,
+    /// The materializer committed a group; acknowledging its end to the
+    /// slot is about to be sent.
+    BeforeAcknowledge,
 }
 
 impl CrashPoint {
+    /// Every point the whole system is crashed at (issue 14).
+    pub const SYSTEM: [CrashPoint; 6] = [
+        CrashPoint::MidStaging,
+        CrashPoint::FirstPage,
+        CrashPoint::LaterPage,
+        CrashPoint::MidPush,
+        CrashPoint::MidPull,
+        CrashPoint::BeforeAcknowledge,
+    ];
+
     /// Every point inside a rebuild.
     pub const REBUILD: [CrashPoint; 3] = [
         CrashPoint::MidStaging,
@@ -59,8 +81,18 @@ impl Tripwire {
     /// The server is at `point`. If it is armed, it is disarmed, the
     /// crasher is told, and this never returns: the server dies here.
     pub async fn reach(&self, point: CrashPoint) {
-        if !self.armed.lock().expect("armed").remove(&point) {
-            return;
+        {
+            let mut armed = self.armed.lock().expect("armed");
+            // A point every request passes fires at a random pass (one in
+            // five), not always at the run's first.
+            let frequent = matches!(
+                point,
+                CrashPoint::MidPush | CrashPoint::MidPull | CrashPoint::BeforeAcknowledge
+            );
+            if !armed.contains(&point) || (frequent && !thread_rng().gen_bool(0.2)) {
+                return;
+            }
+            armed.remove(&point);
         }
         let told = self
             .crasher

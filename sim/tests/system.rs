@@ -33,7 +33,7 @@ async fn the_whole_system_converges_under_faults() {
     let reproduce = reproduce("the_whole_system_converges_under_faults");
     let t = run(SystemScenario::default(), &reproduce).await;
     eprintln!(
-        "stats: writes {} pages {} rebuilt {} lost {} duplicated {} restarts {} offline {} crashes {} elapsed {:?}",
+        "stats: writes {} pages {} rebuilt {} lost {} duplicated {} restarts {} offline {} crashes {} aimed {} elapsed {:?} ({:?})",
         t.writes,
         t.pages,
         t.rebuilt,
@@ -42,7 +42,9 @@ async fn the_whole_system_converges_under_faults() {
         t.restarts,
         t.offline,
         t.crashes,
-        madsim::time::TimeHandle::current().elapsed()
+        t.tripped.len(),
+        madsim::time::TimeHandle::current().elapsed(),
+        t.tripped,
     );
     if let Err(v) = judged(&t) {
         panic!("{} violation(s): {v:#?}\n{reproduce}", v.len());
@@ -123,5 +125,43 @@ async fn a_client_that_trusts_row_checksums_is_caught() {
     assert!(
         judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("is not its digest"))),
         "the forged row went unnoticed\n{reproduce}"
+    );
+}
+
+/// A planted server bug: one pull page's cursor stands one effect too far,
+/// past an upsert the device then never gets. The scope's next terminal
+/// checksum differs from the device's copy (it rebuilds), and the judge
+/// reports it.
+#[madsim::test]
+async fn a_cursor_one_effect_too_far_is_caught() {
+    let reproduce = reproduce("a_cursor_one_effect_too_far_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::CursorTooFar),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    assert!(
+        judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("checksum"))),
+        "the skipped effect went unnoticed\n{reproduce}"
+    );
+}
+
+/// A planted client bug: a scope the server removes leaves the device's
+/// active set, but its rows stay. The check of every applied page (rows
+/// only of scopes assigned while the page was made, by the operator's own
+/// log) catches it at the page.
+#[madsim::test]
+async fn a_client_that_keeps_a_removed_scopes_rows_is_caught() {
+    let reproduce = reproduce("a_client_that_keeps_a_removed_scopes_rows_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::KeepRemovedRows),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    assert!(
+        judged(&t).is_err_and(|v| v.iter().any(|m| m.contains("while the page was made"))),
+        "the removed scope's rows went unnoticed\n{reproduce}"
     );
 }
