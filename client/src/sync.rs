@@ -98,6 +98,11 @@ pub enum SyncError {
     /// was refused as not assigned round after round, while each pull page
     /// kept it assigned. Transient: sync again later.
     AssignmentChanging(String),
+    /// A scope's rebuild had to start over on every attempt (each ended in
+    /// `rebuild_restart_required` or a reconnect: its assignment, its
+    /// membership or the client's session kept moving). Transient: sync
+    /// again later.
+    RebuildRestarting(String),
     /// The client has no generation or manifest yet: connect first.
     NotConnected,
 }
@@ -117,6 +122,9 @@ impl std::fmt::Display for SyncError {
             SyncError::Integrity(e) => write!(f, "integrity: {e}"),
             SyncError::AssignmentChanging(s) => {
                 write!(f, "the assignment of {s} kept changing; sync again later")
+            }
+            SyncError::RebuildRestarting(s) => {
+                write!(f, "the rebuild of {s} kept restarting; sync again later")
             }
             SyncError::NotConnected => write!(f, "not connected"),
         }
@@ -734,9 +742,11 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
 
     /// Rebuilds `scope` (a new attempt each time one must restart, at most
     /// four): `Ok(true)` once installed, `Ok(false)` when a reconnect on the
-    /// way left nothing to rebuild.
+    /// way left nothing to rebuild. Four attempts that each had to start
+    /// over are transient ([`SyncError::RebuildRestarting`]); an attempt
+    /// whose checksum did not match makes them an integrity error.
     pub async fn rebuild(&mut self, scope: &str) -> Result<bool, SyncError> {
-        let mut last = String::new();
+        let mut mismatched = false;
         for _ in 0..4 {
             if self.session.scopes.get(scope) != Some(&None) {
                 return Ok(false);
@@ -763,17 +773,13 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                                 return Ok(true);
                             }
                             RebuildStep::Mismatch => {
-                                last = "the rebuilt scope's checksum does not match".into();
+                                mismatched = true;
                                 break;
                             }
                         }
                     }
-                    (409, "rebuild_restart_required") => {
-                        last = "rebuild_restart_required".into();
-                        break;
-                    }
+                    (409, "rebuild_restart_required") => break,
                     (409, "client_generation_expired") | (422, "schema_mismatch") => {
-                        last = code_of(&a);
                         self.connect().await?;
                         break;
                     }
@@ -781,9 +787,12 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
                 }
             }
         }
-        Err(SyncError::Integrity(format!(
-            "{scope} could not be rebuilt: {last}"
-        )))
+        if mismatched {
+            return Err(SyncError::Integrity(format!(
+                "{scope} could not be rebuilt: a rebuilt checksum did not match"
+            )));
+        }
+        Err(SyncError::RebuildRestarting(scope.to_owned()))
     }
 
     /// Connects if the client never did, pushes the outbox, then pulls.

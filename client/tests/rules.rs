@@ -38,7 +38,8 @@ enum Fault {
     Tamper(fn(Vec<u8>) -> Vec<u8>),
 }
 
-type Plan = Box<dyn FnMut(Endpoint, usize) -> Fault + Send>;
+/// The fault of the `n`th request to an endpoint, given its body.
+type Plan = Box<dyn FnMut(Endpoint, usize, &[u8]) -> Fault + Send>;
 /// Every request carried, in order.
 type Sent = Arc<Mutex<Vec<(Endpoint, Vec<u8>)>>>;
 
@@ -58,11 +59,15 @@ impl Wire {
             engine: engine.clone(),
             user: user.into(),
             sent: Arc::default(),
-            plan: Arc::new(Mutex::new(Box::new(|_, _| Fault::Pass))),
+            plan: Arc::new(Mutex::new(Box::new(|_, _, _| Fault::Pass))),
         }
     }
 
-    fn plan(&self, plan: impl FnMut(Endpoint, usize) -> Fault + Send + 'static) {
+    fn plan(&self, mut plan: impl FnMut(Endpoint, usize) -> Fault + Send + 'static) {
+        *self.plan.lock().unwrap() = Box::new(move |e, n, _| plan(e, n));
+    }
+
+    fn plan_with_body(&self, plan: impl FnMut(Endpoint, usize, &[u8]) -> Fault + Send + 'static) {
         *self.plan.lock().unwrap() = Box::new(plan);
     }
 
@@ -82,7 +87,7 @@ impl Transport for Wire {
             sent.push((endpoint, body.to_vec()));
             sent.iter().filter(|(e, _)| *e == endpoint).count()
         };
-        let fault = (self.plan.lock().unwrap())(endpoint, n);
+        let fault = (self.plan.lock().unwrap())(endpoint, n, body);
         if let Fault::Answer(a) = fault {
             return Ok(a);
         }
@@ -820,4 +825,59 @@ async fn an_assignment_that_keeps_changing_is_a_transient_error() {
         2,
         "both scopes rebuilt once it settles"
     );
+}
+
+/// A rebuild told to restart on every attempt (its scope revoked and
+/// granted again between each first page and its continuation) is a
+/// transient error, not an integrity one: nothing of the scope is
+/// installed, and the next sync rebuilds it.
+#[tokio::test]
+async fn a_rebuild_that_keeps_restarting_is_a_transient_error() {
+    let w = world(11).await;
+    let mut a = device(&w, "u1", "device-a", 15);
+    a.connect().await.unwrap();
+    for n in 1..=3 {
+        a.write(&insert_note(n, &format!("note {n}"))).unwrap();
+    }
+    a.push().await.unwrap();
+    converge(&mut a, 3).await;
+    let mut b = device(&w, "u1", "device-b", 16);
+    b.connect().await.unwrap();
+    let restart = Answer {
+        status: 409,
+        retry_after: None,
+        body: b"{\"error\":{\"code\":\"rebuild_restart_required\",\"message\":\"restart\",\"retryable\":false,\"scope_id\":\"user:u1\"}}".to_vec(),
+    };
+    // Every continuation (a request with a cursor) must restart.
+    b.transport_mut().plan_with_body(move |e, _, body| {
+        if e == Endpoint::Rebuild && !body.windows(13).any(|w| w == b"\"cursor\":null") {
+            Fault::Answer(restart.clone())
+        } else {
+            Fault::Pass
+        }
+    });
+    assert_eq!(
+        b.pull().await,
+        Err(SyncError::RebuildRestarting("user:u1".into()))
+    );
+    let firsts = b.transport_mut().sent(Endpoint::Rebuild);
+    let ids: std::collections::BTreeSet<String> = firsts
+        .iter()
+        .filter_map(|r| {
+            let v = json::parse(r).unwrap();
+            let o = v.as_object().unwrap();
+            (o["scope"].as_str() == Some("user:u1"))
+                .then(|| o["rebuild_id"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    assert_eq!(ids.len(), 4, "four attempts, each a new rebuild_id");
+    assert_eq!(
+        b.session().scopes.get("user:u1"),
+        Some(&None),
+        "not installed"
+    );
+    assert!(b.rows("tbl_notes").unwrap().is_empty(), "nothing applied");
+    b.transport_mut().plan(|_, _| Fault::Pass);
+    converge(&mut b, 3).await;
+    assert_eq!(titles(&b), titles(&a));
 }

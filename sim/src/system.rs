@@ -620,7 +620,8 @@ fn absorb(result: Result<(), SyncError>, run: &Run, trace: &Mutex<SystemTrace>) 
         | Err(
             SyncError::Unreachable(_)
             | SyncError::Unavailable(_)
-            | SyncError::AssignmentChanging(_),
+            | SyncError::AssignmentChanging(_)
+            | SyncError::RebuildRestarting(_),
         ) => {}
         Err(e) => trace
             .lock()
@@ -835,7 +836,8 @@ async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> 
             Err(
                 SyncError::Unreachable(_)
                 | SyncError::Unavailable(_)
-                | SyncError::AssignmentChanging(_),
+                | SyncError::AssignmentChanging(_)
+                | SyncError::RebuildRestarting(_),
             ) => {
                 run.mismatched.extend(run.client.take_mismatched());
             }
