@@ -550,6 +550,31 @@ async fn an_expired_generation_reconnects_and_reseals() {
     converge(&mut a, 1).await;
 }
 
+/// The server's `409 rebuild_restart_required` for `scope`.
+fn restart_required(scope: &str) -> Answer {
+    let body = format!(
+        "{{\"error\":{{\"code\":\"rebuild_restart_required\",\"message\":\"restart\",\"retryable\":false,\"scope_id\":\"{scope}\"}}}}"
+    );
+    Answer {
+        status: 409,
+        retry_after: None,
+        body: body.into_bytes(),
+    }
+}
+
+/// The distinct `rebuild_id`s (attempts) of `scope` among rebuild requests.
+fn rebuild_ids(rebuilds: &[Vec<u8>], scope: &str) -> std::collections::BTreeSet<String> {
+    rebuilds
+        .iter()
+        .filter_map(|r| {
+            let v = json::parse(r).unwrap();
+            let o = v.as_object().unwrap();
+            (o["scope"].as_str() == Some(scope))
+                .then(|| o["rebuild_id"].as_str().unwrap().to_owned())
+        })
+        .collect()
+}
+
 /// A rebuild that must restart starts a new attempt (a new `rebuild_id`)
 /// and installs the scope only once its checksum matches.
 #[tokio::test]
@@ -566,11 +591,7 @@ async fn a_rebuild_restarts_with_a_new_attempt() {
     b.connect().await.unwrap();
     b.transport_mut().plan(|e, n| match (e, n) {
         // The second page of the first attempt: the session is gone.
-        (Endpoint::Rebuild, 2) => Fault::Answer(Answer {
-            status: 409,
-            retry_after: None,
-            body: b"{\"error\":{\"code\":\"rebuild_restart_required\",\"message\":\"restart\",\"retryable\":false,\"scope_id\":\"user:u1\"}}".to_vec(),
-        }),
+        (Endpoint::Rebuild, 2) => Fault::Answer(restart_required("user:u1")),
         // A later page whose checksum is forged: a mismatch, a new attempt.
         (Endpoint::Rebuild, 5) => Fault::Tamper(|body| {
             let text = String::from_utf8(body).unwrap();
@@ -593,17 +614,8 @@ async fn a_rebuild_restarts_with_a_new_attempt() {
         vec!["templates_public".to_owned(), "user:u1".to_owned()]
     );
     let rebuilds = b.transport_mut().sent(Endpoint::Rebuild);
-    let ids: std::collections::BTreeSet<String> = rebuilds
-        .iter()
-        .filter_map(|r| {
-            let v = json::parse(r).unwrap();
-            let o = v.as_object().unwrap();
-            (o["scope"].as_str() == Some("user:u1"))
-                .then(|| o["rebuild_id"].as_str().unwrap().to_owned())
-        })
-        .collect();
     assert_eq!(
-        ids.len(),
+        rebuild_ids(&rebuilds, "user:u1").len(),
         3,
         "a new attempt after the restart and after the mismatch"
     );
@@ -843,15 +855,10 @@ async fn a_rebuild_that_keeps_restarting_is_a_transient_error() {
     converge(&mut a, 3).await;
     let mut b = device(&w, "u1", "device-b", 16);
     b.connect().await.unwrap();
-    let restart = Answer {
-        status: 409,
-        retry_after: None,
-        body: b"{\"error\":{\"code\":\"rebuild_restart_required\",\"message\":\"restart\",\"retryable\":false,\"scope_id\":\"user:u1\"}}".to_vec(),
-    };
     // Every continuation (a request with a cursor) must restart.
     b.transport_mut().plan_with_body(move |e, _, body| {
         if e == Endpoint::Rebuild && !body.windows(13).any(|w| w == b"\"cursor\":null") {
-            Fault::Answer(restart.clone())
+            Fault::Answer(restart_required("user:u1"))
         } else {
             Fault::Pass
         }
@@ -860,17 +867,12 @@ async fn a_rebuild_that_keeps_restarting_is_a_transient_error() {
         b.pull().await,
         Err(SyncError::RebuildRestarting("user:u1".into()))
     );
-    let firsts = b.transport_mut().sent(Endpoint::Rebuild);
-    let ids: std::collections::BTreeSet<String> = firsts
-        .iter()
-        .filter_map(|r| {
-            let v = json::parse(r).unwrap();
-            let o = v.as_object().unwrap();
-            (o["scope"].as_str() == Some("user:u1"))
-                .then(|| o["rebuild_id"].as_str().unwrap().to_owned())
-        })
-        .collect();
-    assert_eq!(ids.len(), 4, "four attempts, each a new rebuild_id");
+    let rebuilds = b.transport_mut().sent(Endpoint::Rebuild);
+    assert_eq!(
+        rebuild_ids(&rebuilds, "user:u1").len(),
+        4,
+        "four attempts, each a new rebuild_id"
+    );
     assert_eq!(
         b.session().scopes.get("user:u1"),
         Some(&None),
