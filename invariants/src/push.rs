@@ -12,7 +12,10 @@
 //!   writes, each once;
 //! - no two accepted writes advance the same prior version: an applied
 //!   update or delete produced the version that follows its base version in
-//!   the chain, and no two applied writes share a base.
+//!   the chain, and no two applied writes share a base;
+//! - once capture has passed an accepted push's commit, none of its fences
+//!   is pending (`check_fences`): its client is never told
+//!   `capture_pending` for a write that is already pull-visible.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -445,5 +448,35 @@ mod tests {
         let req3 = r#"{"batch_id":"b2","mutations":[{"mutation_id":"m1","op":"update","base_version":"v1"}]}"#;
         let x = [exchange("c", REQ, &resp("v2")), exchange("c", req3, resp3)];
         assert!(check_push(&x, &ok, &d).is_err());
+    }
+}
+
+/// What the store says is pending for one client once capture has passed
+/// every commit: the fences of its accepted writes not yet satisfied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PendingAfterCapture {
+    pub client_id: String,
+    pub fences: Vec<u64>,
+}
+
+/// Once capture has passed an accepted push's commit, none of its fences is
+/// pending. `pending` is read after capture passed the newest commit.
+pub fn check_fences(pending: &[PendingAfterCapture]) -> Result<(), Vec<String>> {
+    let violations: Vec<String> = pending
+        .iter()
+        .filter(|p| !p.fences.is_empty())
+        .map(|p| {
+            format!(
+                "{} has {} fence(s) pending after capture passed every commit: {:?}",
+                p.client_id,
+                p.fences.len(),
+                p.fences
+            )
+        })
+        .collect();
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(violations)
     }
 }

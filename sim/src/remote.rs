@@ -87,6 +87,7 @@ enum Op {
     Checkpoints(String),
     PutCheckpoints(String, Vec<(ScopeId, Checkpoint)>),
     HasPendingFence(String),
+    ReconcileFences,
     ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
     LastEffectBefore(ScopeId, StreamPosition),
     RebuildSession(String, CanonicalUuid),
@@ -458,6 +459,7 @@ async fn transaction(
             Op::Checkpoints(c) => (Answer::Checkpoints(tx.checkpoints(&c).await), false),
             Op::PutCheckpoints(c, p) => (Answer::Unit(tx.put_checkpoints(&c, &p).await), false),
             Op::HasPendingFence(c) => (Answer::Inserted(tx.has_pending_fence(&c).await), false),
+            Op::ReconcileFences => (Answer::Count(tx.reconcile_fences().await), false),
             Op::ScopeCandidates(scope, after, through, max) => (
                 Answer::Effects(tx.scope_candidates(&scope, after, through, max).await),
                 false,
@@ -1122,6 +1124,13 @@ impl StoreTx for RemoteTx {
     async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
         match self.call(Op::HasPendingFence(client_id.to_owned())).await? {
             Answer::Inserted(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn reconcile_fences(&mut self) -> Result<u64, StoreError> {
+        match self.call(Op::ReconcileFences).await? {
+            Answer::Count(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -274,6 +274,8 @@ fn parse_row(s: &Source, line: &[u8]) -> Result<BaselineRow, StoreError> {
                     key,
                     version,
                     fence,
+                    // The baseline satisfies the fences its snapshot holds apart.
+                    client: false,
                 },
                 new_version,
             ))

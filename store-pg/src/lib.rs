@@ -566,6 +566,10 @@ impl StoreTx for PgTx {
         self.read_pending_fence(client_id).await
     }
 
+    async fn reconcile_fences(&mut self) -> Result<u64, StoreError> {
+        self.reconcile_satisfied_fences().await
+    }
+
     async fn scope_candidates(
         &mut self,
         scope: &ScopeId,

@@ -227,7 +227,8 @@ fn bind_projections<'q>(
 const BASELINE_OWED: &str = "NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done)";
 
 /// Satisfies client-write fences: a materialized transaction's, or those a
-/// baseline's snapshot holds.
+/// baseline's snapshot holds. A fence whose pending row this transaction
+/// cannot see yet (decoded before visible, ADR 0014) is recorded satisfied.
 async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(), StoreError> {
     if fences.is_empty() {
         return Ok(());
@@ -236,11 +237,16 @@ async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(
         .iter()
         .map(|f| to_i64(*f))
         .collect::<Result<Vec<_>, _>>()?;
-    sqlx::query("DELETE FROM synchro.pending_fences WHERE fence = ANY($1)")
-        .bind(fences)
-        .execute(tx)
-        .await
-        .map_err(db_error)?;
+    sqlx::query(
+        "WITH gone AS (DELETE FROM synchro.pending_fences WHERE fence = ANY($1) RETURNING fence) \
+         INSERT INTO synchro.satisfied_fences (fence) \
+         SELECT f FROM unnest($1::int8[]) AS f WHERE f NOT IN (SELECT fence FROM gone) \
+         ON CONFLICT (fence) DO NOTHING",
+    )
+    .bind(fences)
+    .execute(tx)
+    .await
+    .map_err(db_error)?;
     Ok(())
 }
 
@@ -301,6 +307,19 @@ impl PgTx {
                 .map_err(db_error)?;
         }
         to_u64(generation)
+    }
+
+    /// Removes each pending fence recorded satisfied, with its record.
+    pub(crate) async fn reconcile_satisfied_fences(&mut self) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "WITH paired AS (DELETE FROM synchro.pending_fences p USING synchro.satisfied_fences s \
+               WHERE p.fence = s.fence RETURNING p.fence) \
+             DELETE FROM synchro.satisfied_fences WHERE fence IN (SELECT fence FROM paired)",
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(done.rows_affected())
     }
 
     pub(crate) async fn write_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {

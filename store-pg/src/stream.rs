@@ -229,7 +229,8 @@ impl PgTx {
 
     pub(crate) async fn read_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
         sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM synchro.pending_fences WHERE client_id = $1)",
+            "SELECT EXISTS (SELECT 1 FROM synchro.pending_fences p WHERE p.client_id = $1 \
+               AND NOT EXISTS (SELECT 1 FROM synchro.satisfied_fences s WHERE s.fence = p.fence))",
         )
         .bind(client_id)
         .fetch_one(&mut *self.tx)

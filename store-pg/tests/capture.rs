@@ -294,3 +294,135 @@ async fn a_stream_reset_recovers_on_postgres() {
         actors::testkit::stream_reset_recovers(&world, broken).await;
     }
 }
+
+/// Issue 24's stuck fence, reproduced. PostgreSQL hands a commit to
+/// logical decoding before the committing session leaves the proc array;
+/// a synchronous standby that never answers holds a push's commit in that
+/// state, so the materializer materializes it while its pending fence is
+/// invisible. Once the commit is visible, the fence is not pending (ADR
+/// 0014). The walsender does not always pick the held commit up in time,
+/// so each attempt that it did not is released and another one made.
+#[tokio::test]
+async fn a_fence_decoded_before_it_is_visible_is_satisfied() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "invisible").await;
+    // No idle heartbeat may commit (and wait for the standby) meanwhile.
+    let mut config = fast_config(|s| s);
+    config.capture.heartbeat_ms = 3_000;
+    let engine = actors::Engine::start(store.clone(), config).await.unwrap();
+    wait_status(
+        &engine,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    let pool = store.pool();
+    let mut reproduced = 0;
+    for attempt in 0..8 {
+        let key = format!("00000000-0000-4000-8000-0000000000f{attempt}");
+        let client = format!("c-invisible-{attempt}");
+        standby(pool, Some("nobody")).await;
+        // The push: a client's write, whose commit waits for the standby.
+        let pusher = pool.clone();
+        let sql = format!(
+            "BEGIN; SELECT set_config('synchro.client_id', '{client}', true); \
+             INSERT INTO public.notes (id, owner_id, title, pinned, updated_at) \
+             VALUES ('{key}', 'alice', 't', false, now()); COMMIT"
+        );
+        let push = tokio::spawn(async move {
+            sqlx::raw_sql(&sql).execute(&pusher).await.unwrap();
+        });
+        // The materializer's group is open (it holds the progress row) and
+        // waits at its commit too: it ran while the push was invisible.
+        let mut held = false;
+        for _ in 0..300 {
+            if group_waits_behind_push(pool).await {
+                held = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        standby(pool, None).await;
+        push.await.unwrap();
+        reproduced += usize::from(held);
+        // The row is materialized, and its fence is not pending: a pull by
+        // the client would not answer capture_pending.
+        for _ in 0..1000 {
+            let done: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM synchro.projections WHERE key = $1)",
+            )
+            .bind(&key)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if done {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let mut tx = store.begin().await.unwrap();
+        assert!(
+            !tx.has_pending_fence(&client).await.unwrap(),
+            "attempt {attempt}"
+        );
+        drop(tx);
+        if reproduced > 0 {
+            break;
+        }
+    }
+    assert!(
+        reproduced > 0,
+        "no attempt materialized a push before it was visible"
+    );
+    // The leader reconciles each pair once both are visible.
+    let mut left: (i64, i64) = (1, 1);
+    for _ in 0..1000 {
+        left = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM synchro.pending_fences), \
+                    (SELECT count(*) FROM synchro.satisfied_fences)",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if left == (0, 0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(left, (0, 0), "pending and satisfied fences reconciled");
+}
+
+/// Names a synchronous standby (that never answers), or none.
+async fn standby(pool: &sqlx::PgPool, name: Option<&str>) {
+    let set = match name {
+        Some(n) => format!("ALTER SYSTEM SET synchronous_standby_names = '{n}'"),
+        None => "ALTER SYSTEM RESET synchronous_standby_names".to_owned(),
+    };
+    for sql in [set.as_str(), "SELECT pg_reload_conf()"] {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+    }
+}
+
+/// Whether a materialization holds the progress row and both it and the
+/// push wait for the standby at their commits.
+async fn group_waits_behind_push(pool: &sqlx::PgPool) -> bool {
+    let waiting: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    if waiting < 2 {
+        return false;
+    }
+    let mut probe = pool.begin().await.unwrap();
+    sqlx::raw_sql("SET LOCAL synchronous_commit = local")
+        .execute(&mut *probe)
+        .await
+        .unwrap();
+    let locked = sqlx::raw_sql("SELECT 1 FROM synchro.capture_progress FOR UPDATE NOWAIT")
+        .execute(&mut *probe)
+        .await
+        .is_err_and(|e| e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03"));
+    probe.rollback().await.unwrap();
+    locked
+}

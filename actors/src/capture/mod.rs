@@ -56,25 +56,39 @@ pub struct VersionNote {
     pub version: String,
     /// The fence the change allocated.
     pub fence: u64,
+    /// A client's push wrote the change, so its fence is pending until
+    /// capture satisfies it.
+    pub client: bool,
 }
 
 impl VersionNote {
-    /// The bytes the trigger writes: `table_id \t fence \t version \t key`.
+    /// The bytes the trigger writes: `table_id \t fence \t version \t key`,
+    /// the fence marked `c` for a client's write and `a` for the application's.
     pub fn encode(&self) -> Vec<u8> {
+        let writer = if self.client { 'c' } else { 'a' };
         format!(
-            "{}\t{}\t{}\t{}",
+            "{}\t{writer}{}\t{}\t{}",
             self.table_id, self.fence, self.version, self.key
         )
         .into_bytes()
     }
 
-    /// Parses [`VersionNote::encode`]'s bytes.
+    /// Parses [`VersionNote::encode`]'s bytes. An unmarked fence was written
+    /// by the trigger before migration 0017: it may be a client's.
     pub fn decode(bytes: &[u8]) -> Option<VersionNote> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut parts = text.splitn(4, '\t');
+        let table_id = parts.next()?.to_owned();
+        let fence = parts.next()?;
+        let (client, fence) = match fence.as_bytes().first()? {
+            b'c' => (true, &fence[1..]),
+            b'a' => (false, &fence[1..]),
+            _ => (true, fence),
+        };
         Some(VersionNote {
-            table_id: parts.next()?.to_owned(),
-            fence: parts.next()?.parse().ok()?,
+            table_id,
+            fence: fence.parse().ok()?,
+            client,
             version: parts.next()?.to_owned(),
             key: parts.next()?.to_owned(),
         })
@@ -409,7 +423,9 @@ pub struct Materialization {
     pub joined: Vec<Membership>,
     pub left: Vec<Membership>,
     pub effects: Vec<Effect>,
-    /// Fences this transaction satisfies.
+    /// Fences of client writes this transaction satisfies. A store
+    /// records each one satisfied whether or not the write's pending fence
+    /// is visible to it yet (ADR 0014).
     pub fences: Vec<u64>,
     /// The stream generation the materializer read its progress in: a
     /// store refuses the write once a reset began another one.

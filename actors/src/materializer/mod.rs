@@ -52,7 +52,8 @@ pub enum CaptureStatus {
     Unavailable,
 }
 
-/// Records a heartbeat in its own transaction (the leader is idle or starting).
+/// Records a heartbeat in its own transaction (the leader is idle or
+/// starting), and reconciles fences left behind (ADR 0014).
 async fn beat<S: Store>(store: &S, caught_up: bool, lag_bytes: u64) -> Result<(), StoreError> {
     let mut tx = store.begin().await?;
     tx.record_heartbeat(&Heartbeat {
@@ -60,6 +61,7 @@ async fn beat<S: Store>(store: &S, caught_up: bool, lag_bytes: u64) -> Result<()
         lag_bytes,
     })
     .await?;
+    tx.reconcile_fences().await?;
     tx.commit().await
 }
 
@@ -193,6 +195,9 @@ async fn commit_group<S: Store>(
     if let Some(m) = &mut outcome.combined {
         m.stream_generation = generation;
         tx.materialize(m).await?;
+        if !m.fences.is_empty() {
+            tx.reconcile_fences().await?;
+        }
     }
     if let Some((commit_lsn, problem)) = &outcome.problem {
         tx.quarantine(&Quarantine {

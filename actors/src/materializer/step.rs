@@ -279,7 +279,9 @@ fn materialize(
                 .get_mut(&(table_id.to_owned(), key.clone()))
                 .and_then(VecDeque::pop_front)
                 .ok_or(CaptureProblem::VersionNoteMismatch)?;
-            fences.push(note.fence);
+            if note.client {
+                fences.push(note.fence);
+            }
             let version =
                 ServerVersion::parse(&note.version).ok_or(CaptureProblem::VersionNoteMismatch)?;
             let row = row_state(state, &mut rows, table, &key)?;
@@ -642,6 +644,7 @@ mod tests {
             key: id.into(),
             version: version.into(),
             fence: 1,
+            client: false,
         };
         (event, note)
     }

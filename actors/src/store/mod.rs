@@ -285,11 +285,17 @@ pub trait StoreTx: Send {
         checkpoints: &[(ScopeId, Checkpoint)],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Whether a write accepted from this client awaits materialization.
+    /// Whether a write accepted from this client awaits materialization:
+    /// a pending fence of it that no materialization recorded satisfied.
     fn has_pending_fence(
         &mut self,
         client_id: &str,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Removes every pending fence recorded satisfied together with its
+    /// record (ADR 0014: a materialization that ran before the write's
+    /// pending fence was visible to it left both). Returns how many.
+    fn reconcile_fences(&mut self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// A scope's retained pull candidates after `after`: the effects no
     /// later effect of the same row supersedes, in position order, at most

@@ -90,6 +90,12 @@ pub(super) struct CaptureState {
     pub fences_done: BTreeSet<u64>,
     /// Fences of writes accepted from a client, until materialized: fence -> client.
     pub pending_fences: BTreeMap<u64, String>,
+    /// Client fences a materialization satisfied before their pending
+    /// fence was visible to it, until reconciled (ADR 0014).
+    pub satisfied_fences: BTreeSet<u64>,
+    /// A planted bug: a materialization satisfies only the pending fences
+    /// it can see (the fault of issue 24, before ADR 0014).
+    pub(super) fences_by_visibility: bool,
     /// The client whose push is writing (`synchro.client_id`), within one transaction.
     pub writer: Option<String>,
     /// The leader's last heartbeat, the last time it was caught up, its lag.
@@ -138,6 +144,8 @@ impl CaptureState {
             materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
             pending_fences: BTreeMap::new(),
+            satisfied_fences: BTreeSet::new(),
+            fences_by_visibility: false,
             writer: None,
             deliveries: 0,
             column_types: BTreeMap::new(),
@@ -232,6 +240,7 @@ impl CaptureState {
                     key,
                     version: version.0,
                     fence: version.1,
+                    client: false,
                 }));
             }
         }
@@ -356,11 +365,13 @@ impl CaptureState {
                 deleted,
             },
         );
+        let client = self.writer.is_some();
         self.pending().notes.push(VersionNote {
             table_id: table.table_id,
             key,
             version,
             fence,
+            client,
         });
         Some(fence)
     }
@@ -700,7 +711,9 @@ impl MemTx {
         }
         c.fences_done.extend(m.fences.iter().copied());
         for f in &m.fences {
-            c.pending_fences.remove(f);
+            if c.pending_fences.remove(f).is_none() && !c.fences_by_visibility {
+                c.satisfied_fences.insert(*f);
+            }
         }
         c.progress = CaptureProgress {
             boundary: Boundary::TransactionEnd {

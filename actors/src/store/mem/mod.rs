@@ -8,7 +8,7 @@ mod rebuild;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -61,6 +61,8 @@ pub struct MemStore {
     /// Commits of transactions that wrote checkpoints still to fail
     /// (a fault a test injects between a pull's writes and its commit).
     failing_checkpoint_commits: Arc<AtomicUsize>,
+    /// See [`MemStore::lag_fence_visibility`]; 0 is none.
+    fence_visibility_lag_ms: Arc<AtomicU64>,
 }
 
 impl Default for MemStore {
@@ -95,6 +97,7 @@ impl MemStore {
             slot_lost: Arc::new(AtomicBool::new(false)),
             leader: Arc::new(AtomicBool::new(false)),
             failing_checkpoint_commits: Arc::new(AtomicUsize::new(0)),
+            fence_visibility_lag_ms: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -219,15 +222,34 @@ impl MemStore {
         }
     }
 
-    /// The fences of writes accepted from `client_id` that are not yet materialized.
+    /// The fences of writes accepted from `client_id` that are not yet
+    /// materialized (pending, and not recorded satisfied).
     pub async fn pending_fences(&self, client_id: &str) -> Vec<u64> {
         let state = self.state.lock().await;
-        let pending = &state.capture.pending_fences;
-        pending
+        let c = &state.capture;
+        c.pending_fences
             .iter()
-            .filter(|(_, c)| c.as_str() == client_id)
+            .filter(|(f, c_id)| c_id.as_str() == client_id && !c.satisfied_fences.contains(f))
             .map(|(f, _)| *f)
             .collect()
+    }
+
+    /// Models PostgreSQL handing a commit to logical decoding before the
+    /// committing session leaves the proc array: after a commit that wrote
+    /// pending fences, the feed can deliver the transaction while those
+    /// fences are not yet visible to any other transaction, until capture
+    /// has materialized it or `lag` passed. The commit returns only once
+    /// they are visible, as PostgreSQL's does.
+    pub fn lag_fence_visibility(&self, lag: std::time::Duration) {
+        let ms = u64::try_from(lag.as_millis()).unwrap_or(u64::MAX);
+        self.fence_visibility_lag_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// Plants the bug of issue 24: a materialization satisfies only the
+    /// pending fences it can see, so one decoded before it was visible stays
+    /// pending for ever.
+    pub async fn plant_fences_by_visibility(&self) {
+        self.state.lock().await.capture.fences_by_visibility = true;
     }
 
     /// Makes the next `n` commits of transactions that wrote checkpoints
@@ -255,6 +277,7 @@ pub struct MemTx {
     failing_checkpoint_commits: Arc<AtomicUsize>,
     /// The store's lost-slot flag, which a stream reset clears at commit.
     slot_lost: Arc<AtomicBool>,
+    fence_visibility_lag_ms: Arc<AtomicU64>,
 }
 
 impl Store for MemStore {
@@ -272,6 +295,7 @@ impl Store for MemStore {
             wrote_checkpoints: false,
             failing_checkpoint_commits: self.failing_checkpoint_commits.clone(),
             slot_lost: self.slot_lost.clone(),
+            fence_visibility_lag_ms: self.fence_visibility_lag_ms.clone(),
         })
     }
 
@@ -571,12 +595,23 @@ impl StoreTx for MemTx {
     }
 
     async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
-        Ok(self
-            .work
-            .capture
-            .pending_fences
-            .values()
-            .any(|c| c == client_id))
+        let c = &self.work.capture;
+        Ok(c.pending_fences
+            .iter()
+            .any(|(f, c_id)| c_id == client_id && !c.satisfied_fences.contains(f)))
+    }
+
+    async fn reconcile_fences(&mut self) -> Result<u64, StoreError> {
+        let c = &mut self.work.capture;
+        let paired: Vec<u64> = (c.satisfied_fences.iter())
+            .filter(|f| c.pending_fences.contains_key(f))
+            .copied()
+            .collect();
+        for f in &paired {
+            c.pending_fences.remove(f);
+            c.satisfied_fences.remove(f);
+        }
+        Ok(paired.len() as u64)
     }
 
     async fn scope_candidates(
@@ -777,15 +812,49 @@ impl StoreTx for MemTx {
         let log_len = self.work.capture.commit_source();
         let MemTx {
             mut guard,
-            work,
+            mut work,
             log_len: sender,
             slot_lost,
+            fence_visibility_lag_ms,
             ..
         } = self;
+        let lag = fence_visibility_lag_ms.load(Ordering::SeqCst);
+        let mut unseen = BTreeMap::new();
+        if lag > 0 && log_len.is_some() {
+            let before = &guard.capture.pending_fences;
+            let fresh: Vec<u64> = (work.capture.pending_fences.keys())
+                .filter(|f| !before.contains_key(f))
+                .copied()
+                .collect();
+            for f in fresh {
+                if let Some(client) = work.capture.pending_fences.remove(&f) {
+                    unseen.insert(f, client);
+                }
+            }
+        }
         slot_lost.store(work.capture.slot_lost, Ordering::Release);
         *guard = work;
         if let Some(n) = log_len {
             sender.send_replace(n);
+        }
+        if !unseen.is_empty() {
+            // Decoded, not yet visible: until capture has materialized this
+            // commit (the widest window), or `lag` passed.
+            let commit_lsn = guard.capture.last_commit_lsn();
+            let state = OwnedMutexGuard::mutex(&guard).clone();
+            drop(guard);
+            let until = tokio::time::Instant::now() + std::time::Duration::from_millis(lag);
+            while tokio::time::Instant::now() < until {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                let past = match state.lock().await.capture.progress.boundary {
+                    Boundary::TransactionEnd { commit_lsn: c } => c >= commit_lsn,
+                    _ => false,
+                };
+                if past {
+                    break;
+                }
+            }
+            state.lock().await.capture.pending_fences.extend(unseen);
         }
         Ok(())
     }
