@@ -4,11 +4,9 @@
 //! generation and schema gates).
 
 use std::future::Future;
-use std::sync::Arc;
 
 use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
 use protocol::manifest::{Manifest, SchemaRef};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::capture::CaptureProgress;
 use crate::registry::store_error;
@@ -74,14 +72,6 @@ pub async fn bind<T: StoreTx>(
         Some(c) if c.user_id == user_id => Ok(Some(c)),
         _ => Err(ProtocolError::new(ErrorKind::AuthRequired).into()),
     }
-}
-
-/// Step 8: a page permit of `admission`, or 429 `retry_later`.
-pub fn admit(admission: &Arc<Semaphore>) -> Result<OwnedSemaphorePermit, ProtocolError> {
-    admission
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ProtocolError::new(ErrorKind::RetryLater))
 }
 
 /// Step 9's gates: capture must be running (`capture_blocked` otherwise)

@@ -24,6 +24,94 @@ pub struct SyncConfig {
     pub tables: Vec<TableConfig>,
     #[serde(default)]
     pub capture: CaptureConfig,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+}
+
+/// What one user, and the whole instance, may make the server spend
+/// (`docs/CONFIG.md`, "Limits"). Past a limit the answer is `429
+/// retry_later`: every one frees with time.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Rows staged by one user's live rebuild sessions. A new session that
+    /// would pass it (while the user has another) answers 429.
+    #[serde(default = "default_rebuild_rows_per_user")]
+    pub rebuild_rows_per_user: u64,
+    /// Rows staged by every live rebuild session of the instance.
+    #[serde(default = "default_rebuild_rows_total")]
+    pub rebuild_rows_total: u64,
+    /// New client IDs one user may register in any hour.
+    #[serde(default = "default_registrations_per_hour")]
+    pub registrations_per_user_per_hour: u64,
+    /// Pull and rebuild pages one user builds at once (of `server.pull_pages`).
+    #[serde(default = "default_pages_per_user")]
+    pub pages_per_user: usize,
+    /// Pull and rebuild requests one user may make per second, sustained...
+    #[serde(default = "default_requests_per_second")]
+    pub requests_per_user_per_second: u64,
+    /// ... and at once, after being idle.
+    #[serde(default = "default_request_burst")]
+    pub request_burst_per_user: u64,
+    /// Mutations one user may push per second, sustained...
+    #[serde(default = "default_mutations_per_second")]
+    pub mutations_per_user_per_second: u64,
+    /// ... and at once (at least one full batch, 1000).
+    #[serde(default = "default_mutation_burst")]
+    pub mutation_burst_per_user: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            rebuild_rows_per_user: default_rebuild_rows_per_user(),
+            rebuild_rows_total: default_rebuild_rows_total(),
+            registrations_per_user_per_hour: default_registrations_per_hour(),
+            pages_per_user: default_pages_per_user(),
+            requests_per_user_per_second: default_requests_per_second(),
+            request_burst_per_user: default_request_burst(),
+            mutations_per_user_per_second: default_mutations_per_second(),
+            mutation_burst_per_user: default_mutation_burst(),
+        }
+    }
+}
+
+/// A quarter of the default page permits: four users at their share leave room.
+fn default_pages_per_user() -> usize {
+    3
+}
+
+/// A device pulls every few seconds; a user has a few devices.
+fn default_requests_per_second() -> u64 {
+    20
+}
+
+fn default_request_burst() -> u64 {
+    60
+}
+
+/// Far above what a person writes, and a fraction of what capture materializes.
+fn default_mutations_per_second() -> u64 {
+    1_000
+}
+
+fn default_mutation_burst() -> u64 {
+    2_000
+}
+
+/// Enough for a few devices rebuilding a large scope at once.
+fn default_rebuild_rows_per_user() -> u64 {
+    500_000
+}
+
+fn default_rebuild_rows_total() -> u64 {
+    5_000_000
+}
+
+/// A reinstall or a new device is a registration; 60 an hour is far past
+/// any person's, and bounds a script's.
+fn default_registrations_per_hour() -> u64 {
+    60
 }
 
 /// Limits of WAL capture; every one finite.
@@ -415,6 +503,26 @@ impl SyncConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=1024).contains(&self.server.pull_pages) {
             return err("server.pull_pages must be within 1..=1024");
+        }
+        let l = &self.limits;
+        let max_batch = protocol::limits::MAX_MUTATIONS as u64;
+        if [
+            l.rebuild_rows_per_user,
+            l.registrations_per_user_per_hour,
+            l.pages_per_user as u64,
+            l.requests_per_user_per_second,
+            l.request_burst_per_user,
+            l.mutations_per_user_per_second,
+        ]
+        .contains(&0)
+        {
+            return err("limits: every limit must be positive");
+        }
+        if l.rebuild_rows_total < l.rebuild_rows_per_user {
+            return err("limits.rebuild_rows_total must be at least rebuild_rows_per_user");
+        }
+        if l.mutation_burst_per_user < max_batch {
+            return err("limits.mutation_burst_per_user must hold one full batch (1000)");
         }
         if let Some(v) = &self.server.minimum_client_version {
             semver::Version::parse(v).map_err(|_| {

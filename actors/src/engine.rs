@@ -10,6 +10,7 @@ use protocol::error::{ErrorKind, ProtocolError};
 use protocol::json;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
+use crate::admission::Admission;
 use crate::capture::{CaptureHealth, CapturePlan, ReadinessLimits};
 use crate::config::SyncConfig;
 use crate::ledger::{self, Ledger};
@@ -87,18 +88,24 @@ impl Engine {
             .install_push(&ledger::write_targets(&config))
             .await
             .map_err(RegistryError::Store)?;
+        let pull_pages = Arc::new(Semaphore::new(config.server.pull_pages));
+        let admission = Admission::new(pull_pages.clone(), config.limits.clone());
         let ledger = Arc::new(
-            Ledger::new(store.clone(), &config, registry.history().clone())
-                .map_err(RegistryError::Config)?,
+            Ledger::new(
+                store.clone(),
+                &config,
+                registry.history().clone(),
+                admission.clone(),
+            )
+            .map_err(RegistryError::Config)?,
         );
         let push_tx = serve_requests(ledger, PARALLEL_PUSHES, |ledger, m| async move {
             ledger.push(&m.user_id, &m.body, m.now_micros).await
         });
-        let pull_pages = Arc::new(Semaphore::new(config.server.pull_pages));
         let puller = Arc::new(Puller::new(
             store.clone(),
             registry.clone(),
-            pull_pages.clone(),
+            admission.clone(),
         ));
         let pull_tx = serve_requests(puller, PARALLEL_PULLS, |puller, m| async move {
             puller.pull(&m.user_id, &m.body, m.now_micros).await
@@ -106,7 +113,8 @@ impl Engine {
         let rebuilder = Arc::new(Rebuilder::new(
             store.clone(),
             registry.clone(),
-            pull_pages.clone(),
+            admission,
+            config.limits.clone(),
         ));
         let rebuild_tx = serve_requests(rebuilder, PARALLEL_PULLS, |rebuilder, m| async move {
             rebuilder.rebuild(&m.user_id, &m.body, m.now_micros).await

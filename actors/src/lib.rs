@@ -4,6 +4,7 @@
 //! Runs unchanged on tokio and under the madsim simulator: no OS threads,
 //! no real clock (callers pass the time in), no ambient entropy.
 
+pub mod admission;
 pub mod attempt;
 pub mod capture;
 pub mod config;

@@ -20,9 +20,11 @@ use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
 use protocol::wire::rebuild::{RebuildEnd, RebuildPage, RebuildRequest, Record};
 use protocol::wire::{PageRow, PrimaryKey};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 
+use crate::admission::Admission;
 use crate::attempt::{self, Failure};
+use crate::config::LimitsConfig;
 use crate::cursor::{self, ContinuationRequest, Continued, CursorContext};
 use crate::pull::checksum::reproject;
 use crate::registry::Registry;
@@ -46,7 +48,8 @@ const SWEEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 pub struct Rebuilder<S: Store> {
     store: S,
     registry: Arc<Registry<S>>,
-    admission: Arc<Semaphore>,
+    admission: Arc<Admission>,
+    limits: LimitsConfig,
     /// The server time of the latest request: wakes the sweep.
     clock: watch::Sender<i64>,
 }
@@ -63,14 +66,21 @@ enum Asked {
 }
 
 impl<S: Store> Rebuilder<S> {
-    /// A rebuilder that serves a page only with a permit of `admission`.
-    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Semaphore>) -> Self {
+    /// A rebuilder that serves a page only when `admission` admits it,
+    /// and stages within `limits`' budgets.
+    pub fn new(
+        store: S,
+        registry: Arc<Registry<S>>,
+        admission: Arc<Admission>,
+        limits: LimitsConfig,
+    ) -> Self {
         let (clock, time) = watch::channel(i64::MIN);
         tokio::spawn(sweep(store.clone(), time));
         Rebuilder {
             store,
             registry,
             admission,
+            limits,
             clock,
         }
     }
@@ -129,7 +139,7 @@ impl<S: Store> Rebuilder<S> {
                 .contains(&req.scope);
         let asked = self.judge(&ctx, &req, &client, membership_generation, assigned)?;
         // 8. Admission control.
-        let _permit = attempt::admit(&self.admission)?;
+        let _permit = self.admission.admit_page(user_id, now_micros)?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let (session, ordinal) = match asked {
@@ -146,7 +156,7 @@ impl<S: Store> Rebuilder<S> {
                 {
                     Some(s) => context.reuse(s)?,
                     None => {
-                        self.stage(&mut tx, &current, context.session(session_id))
+                        self.new_session(&mut tx, &current, &context, session_id)
                             .await?
                     }
                 };
@@ -160,8 +170,14 @@ impl<S: Store> Rebuilder<S> {
                     .rebuild_session(&client.client_id, &req.rebuild_id)
                     .await?
                 {
-                    Some(s) if s.session_id == session_id && s.digest.is_some() => (s, ordinal),
-                    // Replaced or swept: the session it continues is gone.
+                    Some(s)
+                        if s.session_id == session_id
+                            && s.digest.is_some()
+                            && now_micros < s.expires_at =>
+                    {
+                        (s, ordinal)
+                    }
+                    // Replaced, superseded or expired: the session it continues is gone.
                     _ => return Err(restart(&req).into()),
                 }
             }
@@ -212,14 +228,44 @@ impl<S: Store> Rebuilder<S> {
         }
     }
 
+    /// A new attempt: it supersedes the client's live sessions of the scope
+    /// (at most one lives per client and scope), then stages within the
+    /// budgets. A stage that would pass the user's or the instance's budget
+    /// while other stages hold it answers `429 retry_later`, and the
+    /// transaction (the superseding included) rolls back; a stage alone
+    /// may be of any size, so every scope can be rebuilt.
+    async fn new_session(
+        &self,
+        tx: &mut S::Tx,
+        current: &Manifest,
+        context: &SessionContext<'_>,
+        session_id: CanonicalUuid,
+    ) -> Result<RebuildSession, Failure> {
+        let (client, now) = (&context.client, context.ctx.now_micros);
+        tx.supersede_rebuild_sessions(&client.client_id, &context.req.scope, now)
+            .await?;
+        let before = tx.rebuild_usage(&client.user_id, now).await?;
+        let (session, rows) = self.stage(tx, current, context.session(session_id)).await?;
+        let over = |held: u64, budget: u64| held > 0 && held.saturating_add(rows) > budget;
+        if over(before.user_rows, self.limits.rebuild_rows_per_user)
+            || over(before.total_rows, self.limits.rebuild_rows_total)
+        {
+            return Err(ProtocolError::new(ErrorKind::RetryLater)
+                .with_message("rebuild staging is at its budget; retry later")
+                .into());
+        }
+        Ok(session)
+    }
+
     /// Stages `session`'s scope at the snapshot's boundary, inside the
-    /// store, and seals it with the digest of what was staged.
+    /// store, and seals it with the digest of what was staged. The sealed
+    /// session and the rows staged.
     async fn stage(
         &self,
         tx: &mut S::Tx,
         current: &Manifest,
         mut session: RebuildSession,
-    ) -> Result<RebuildSession, Failure> {
+    ) -> Result<(RebuildSession, u64), Failure> {
         // Members whose digest predates the current manifest are staged
         // with their digest under it; one it cannot represent fails the
         // whole staging (503, no session).
@@ -263,7 +309,7 @@ impl<S: Store> Rebuilder<S> {
         tx.seal_rebuild_session(&session.session_id, &digest)
             .await?;
         session.digest = Some(digest);
-        Ok(session)
+        Ok((session, rows))
     }
 
     /// The session's page at `ordinal`: the stored one, or built from the

@@ -431,7 +431,11 @@ impl<S: Store> Registry<S> {
             return Err(ProtocolError::new(ErrorKind::ClientRetired));
         }
         let bound = existing.is_some();
-        let (mut client, renewed) = self.resolve_generation(user_id, &req, existing)?;
+        if !bound {
+            self.admit_registration(&mut tx, user_id, now_micros)
+                .await?;
+        }
+        let (mut client, renewed) = self.resolve_generation(user_id, &req, existing, now_micros)?;
         let authoritative = self.assignment(&mut tx, user_id).await?;
         reconcile_assignment(&mut client, &authoritative)?;
         // Seed receipts name scopes the client holds from a portable seed. Their
@@ -559,14 +563,36 @@ impl<S: Store> Registry<S> {
         Ok(updates)
     }
 
+    /// Admission of a new client ID: a user registers at most
+    /// `limits.registrations_per_user_per_hour` in any hour (429 past it).
+    async fn admit_registration<T: StoreTx>(
+        &self,
+        tx: &mut T,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<(), ProtocolError> {
+        const HOUR_MICROS: i64 = 3_600_000_000;
+        let recent = tx
+            .count_registrations(user_id, now_micros.saturating_sub(HOUR_MICROS))
+            .await
+            .map_err(store_error)?;
+        if recent >= self.config.limits.registrations_per_user_per_hour {
+            return Err(ProtocolError::new(ErrorKind::RetryLater)
+                .with_message("too many new clients for this user; retry later"));
+        }
+        Ok(())
+    }
+
     /// The client record this connect continues, and whether its generation was renewed.
     fn resolve_generation(
         &self,
         user_id: &str,
         req: &ConnectRequest,
         existing: Option<ClientRecord>,
+        now_micros: i64,
     ) -> Result<(ClientRecord, bool), ProtocolError> {
         let fresh_record = |generation| ClientRecord {
+            registered_at: now_micros,
             user_id: user_id.to_owned(),
             client_id: req.client_id.clone(),
             generation,

@@ -48,3 +48,12 @@ pub struct StagedRow {
     /// The row digest under the session's manifest.
     pub digest: Digest,
 }
+
+/// Rows staged by live rebuild sessions, for the staging budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RebuildUsage {
+    /// By the sessions of one user's clients.
+    pub user_rows: u64,
+    /// By every session of the instance.
+    pub total_rows: u64,
+}

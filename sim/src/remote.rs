@@ -20,7 +20,7 @@ use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
-use actors::staging::{RebuildSession, StagedRow};
+use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
 use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use madsim::net::Endpoint;
@@ -62,6 +62,7 @@ enum Op {
     InsertManifest(Manifest),
     LockClient(String),
     InsertClient(ClientRecord),
+    CountRegistrations(String, i64),
     PutClient(ClientRecord),
     Grants(String),
     DependencyValues(DependencyAssignment, String),
@@ -93,6 +94,8 @@ enum Op {
     RebuildSession(String, CanonicalUuid),
     StageRebuild(Box<RebuildSession>, Vec<(RowIdentity, Digest)>),
     StagedDigests(CanonicalUuid, u64, usize),
+    SupersedeRebuildSessions(String, ScopeId, i64),
+    RebuildUsage(String, i64),
     SealRebuildSession(CanonicalUuid, Digest),
     StagedRows(CanonicalUuid, u64, usize),
     RebuildPage(CanonicalUuid, u64),
@@ -134,6 +137,7 @@ enum Answer {
     Position(Result<Option<StreamPosition>, StoreError>),
     Session(Result<Option<RebuildSession>, StoreError>),
     Count(Result<u64, StoreError>),
+    Usage(Result<RebuildUsage, StoreError>),
     Staged(Result<Vec<StagedRow>, StoreError>),
     Page(Result<Option<Vec<u8>>, StoreError>),
     Ledger(Result<LedgerEntries, StoreError>),
@@ -414,6 +418,15 @@ async fn transaction(
             Op::InsertManifest(m) => (Answer::Unit(tx.insert_manifest(&m).await), false),
             Op::LockClient(c) => (Answer::Client(tx.lock_client(&c).await), false),
             Op::InsertClient(c) => (Answer::Inserted(tx.insert_client(&c).await), false),
+            Op::CountRegistrations(u, since) => (
+                Answer::Count(tx.count_registrations(&u, since).await),
+                false,
+            ),
+            Op::SupersedeRebuildSessions(c, scope, now) => (
+                Answer::Count(tx.supersede_rebuild_sessions(&c, &scope, now).await),
+                false,
+            ),
+            Op::RebuildUsage(u, now) => (Answer::Usage(tx.rebuild_usage(&u, now).await), false),
             Op::PutClient(c) => (Answer::Unit(tx.put_client(&c).await), false),
             Op::Grants(u) => (Answer::Strings(tx.grants(&u).await), false),
             Op::DependencyValues(d, u) => {
@@ -896,6 +909,47 @@ impl StoreTx for RemoteTx {
     async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
         match self.call(Op::InsertClient(c.clone())).await? {
             Answer::Inserted(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn count_registrations(
+        &mut self,
+        user_id: &str,
+        since_micros: i64,
+    ) -> Result<u64, StoreError> {
+        match self
+            .call(Op::CountRegistrations(user_id.to_owned(), since_micros))
+            .await?
+        {
+            Answer::Count(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn supersede_rebuild_sessions(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> Result<u64, StoreError> {
+        let op = Op::SupersedeRebuildSessions(client_id.to_owned(), scope.clone(), now_micros);
+        match self.call(op).await? {
+            Answer::Count(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn rebuild_usage(
+        &mut self,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<RebuildUsage, StoreError> {
+        match self
+            .call(Op::RebuildUsage(user_id.to_owned(), now_micros))
+            .await?
+        {
+            Answer::Usage(r) => r,
             _ => Err(mismatch()),
         }
     }

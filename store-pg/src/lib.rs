@@ -31,7 +31,7 @@ use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
-use actors::staging::{RebuildSession, StagedRow};
+use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
 use actors::store::{ClientRecord, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use protocol::digest::{Digest, RowIdentity};
@@ -260,7 +260,7 @@ impl StoreTx for PgTx {
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-               accepted_write_epoch, continued, ever_assigned \
+               accepted_write_epoch, continued, ever_assigned, registered_at \
              FROM synchro.clients WHERE client_id = $1 FOR UPDATE",
         )
         .bind(client_id)
@@ -295,6 +295,7 @@ impl StoreTx for PgTx {
             ever_assigned: scopes(9)?,
             accepted_write_epoch: counter(r.try_get(7).map_err(db_error)?, "accepted_write_epoch")?,
             continued: r.try_get(8).map_err(db_error)?,
+            registered_at: r.try_get(10).map_err(db_error)?,
         }))
     }
 
@@ -305,15 +306,33 @@ impl StoreTx for PgTx {
             sqlx::query(
                 "INSERT INTO synchro.clients \
                    (client_id, user_id, generation, retired, installed_version, installed_hash, \
-                    scope_set_version, assigned, accepted_write_epoch, continued, ever_assigned) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (client_id) DO NOTHING",
+                    scope_set_version, assigned, accepted_write_epoch, continued, ever_assigned, \
+                    registered_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) ON CONFLICT (client_id) DO NOTHING",
             ),
             c,
         )
+        .bind(c.registered_at)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn count_registrations(
+        &mut self,
+        user_id: &str,
+        since_micros: i64,
+    ) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM synchro.clients WHERE user_id = $1 AND registered_at >= $2",
+        )
+        .bind(user_id)
+        .bind(since_micros)
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        counter(n, "registrations")
     }
 
     async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
@@ -489,6 +508,23 @@ impl StoreTx for PgTx {
         max: usize,
     ) -> Result<Vec<StagedRow>, StoreError> {
         self.read_staged_rows(session_id, from, max).await
+    }
+
+    async fn supersede_rebuild_sessions(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> Result<u64, StoreError> {
+        self.write_supersede(client_id, scope, now_micros).await
+    }
+
+    async fn rebuild_usage(
+        &mut self,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<RebuildUsage, StoreError> {
+        self.read_rebuild_usage(user_id, now_micros).await
     }
 
     async fn rebuild_page(

@@ -2,7 +2,7 @@
 //! `INSERT ... SELECT` from the membership index and the projections in the
 //! caller's snapshot (never through the server's memory), and its pages.
 
-use actors::staging::{RebuildSession, StagedRow};
+use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
 use actors::store::StoreError;
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -166,6 +166,14 @@ impl PgTx {
         if staged != to_u64(members)? {
             return Err(integrity("a member has no projection"));
         }
+        sqlx::query(
+            "UPDATE synchro.rebuild_sessions SET staged_rows = $2 WHERE session_id = $1::uuid",
+        )
+        .bind(s.session_id.to_string())
+        .bind(to_i64(staged)?)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
         Ok(staged)
     }
 
@@ -274,6 +282,57 @@ impl PgTx {
         .await
         .map_err(db_error)?;
         inserted_once(done, "a rebuild page stored twice")
+    }
+
+    pub(crate) async fn write_supersede(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> Result<u64, StoreError> {
+        let ended: Vec<String> = sqlx::query_scalar(
+            "UPDATE synchro.rebuild_sessions SET swept = true, expires_at = $3 \
+             WHERE client_id = $1 AND scope_id = $2 AND NOT swept AND expires_at > $3 \
+             RETURNING session_id::text",
+        )
+        .bind(client_id)
+        .bind(scope.as_str())
+        .bind(now_micros)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        for table in ["rebuild_stage", "rebuild_pages"] {
+            sqlx::query(&format!(
+                "DELETE FROM synchro.{table} WHERE session_id = ANY($1::uuid[])"
+            ))
+            .bind(&ended)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        }
+        Ok(ended.len() as u64)
+    }
+
+    pub(crate) async fn read_rebuild_usage(
+        &mut self,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<RebuildUsage, StoreError> {
+        let (user, total): (i64, i64) = sqlx::query_as(
+            "SELECT coalesce(sum(s.staged_rows) FILTER (WHERE c.user_id = $1), 0)::int8, \
+                    coalesce(sum(s.staged_rows), 0)::int8 \
+             FROM synchro.rebuild_sessions s LEFT JOIN synchro.clients c USING (client_id) \
+             WHERE NOT s.swept AND s.expires_at > $2",
+        )
+        .bind(user_id)
+        .bind(now_micros)
+        .fetch_one(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(RebuildUsage {
+            user_rows: to_u64(user)?,
+            total_rows: to_u64(total)?,
+        })
     }
 
     pub(crate) async fn write_sweep(

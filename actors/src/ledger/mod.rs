@@ -27,6 +27,7 @@ use protocol::wire::push::{
 
 use self::contract::{PushRecord, StoredBatch, StoredMutation, WriteTarget, Writer};
 use self::evaluate::{Early, Planned, TableRules};
+use crate::admission::Admission;
 use crate::config::SyncConfig;
 use crate::materializer::{Model, Table};
 use crate::registry::{SchemaHistory, next_counter, store_error};
@@ -44,6 +45,7 @@ struct PushTable {
 /// The ledger's state: the schema history and the registered tables.
 pub struct Ledger<S: Store> {
     store: S,
+    admission: Arc<Admission>,
     history: SchemaHistory,
     current: Arc<Manifest>,
     tables: BTreeMap<String, PushTable>,
@@ -81,7 +83,12 @@ enum Slot {
 
 impl<S: Store> Ledger<S> {
     /// A ledger over `store` for the config whose manifests `history` holds.
-    pub fn new(store: S, config: &SyncConfig, history: SchemaHistory) -> Result<Ledger<S>, String> {
+    pub fn new(
+        store: S,
+        config: &SyncConfig,
+        history: SchemaHistory,
+        admission: Arc<Admission>,
+    ) -> Result<Ledger<S>, String> {
         let current = history.current().cloned().ok_or("no manifest")?;
         let model = Model::new(config, (*current).clone())?;
         let mut tables = BTreeMap::new();
@@ -118,6 +125,7 @@ impl<S: Store> Ledger<S> {
         }
         Ok(Ledger {
             store,
+            admission,
             history,
             current,
             tables,
@@ -221,6 +229,9 @@ impl<S: Store> Ledger<S> {
                 received_schema: req.schema,
             }));
         }
+        // 8. Admission control: the user's mutation rate.
+        self.admission
+            .admit_push(user_id, req.mutations.len(), now_micros)?;
         // 9. First execution.
         let server_time = format_server_time(now_micros);
         let slots = req

@@ -21,8 +21,8 @@ use protocol::manifest::Manifest;
 use protocol::position::StreamPosition;
 use protocol::wire::pull::{Change, ChangeOp, PageEnd, PullRequest, PullResponse};
 use protocol::wire::{AssignmentDelta, PageRow, PrimaryKey};
-use tokio::sync::Semaphore;
 
+use crate::admission::Admission;
 use crate::attempt::{self, Failure};
 use crate::capture::{Effect, EffectOp};
 use crate::cursor::{self, CursorContext, Presented};
@@ -39,8 +39,8 @@ pub struct Puller<S: Store> {
     store: S,
     registry: Arc<Registry<S>>,
     checksums: ChecksumCache,
-    /// Pages built at once; a pull that finds none free answers 429.
-    admission: Arc<Semaphore>,
+    /// Page admission, fair per user; a pull past it answers 429.
+    admission: Arc<Admission>,
 }
 
 /// One scope the page reads: its presented position.
@@ -51,8 +51,8 @@ struct Resumed<'a> {
 }
 
 impl<S: Store> Puller<S> {
-    /// A puller that builds a page only with a permit of `admission`.
-    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Semaphore>) -> Self {
+    /// A puller that builds a page only when `admission` admits it.
+    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Admission>) -> Self {
         Puller {
             store,
             registry,
@@ -114,7 +114,7 @@ impl<S: Store> Puller<S> {
         };
         let presented = self.judge_cursors(&ctx, &req)?;
         // 8. Admission control.
-        let _permit = attempt::admit(&self.admission)?;
+        let _permit = self.admission.admit_page(user_id, now_micros)?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let authoritative = self.registry.assignment(&mut tx, user_id).await?;

@@ -23,7 +23,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
-use crate::staging::{RebuildSession, StagedRow};
+use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
 use crate::stream::{Checkpoint, MembershipRules, StreamState};
 
 /// A store operation failed. Every kind rolls the transaction back.
@@ -75,6 +75,8 @@ pub struct ClientRecord {
     /// The client went on from its first connect (a continuing connect, or a
     /// push): a repeat of that first connect no longer replays it.
     pub continued: bool,
+    /// The server time (microseconds) the ID was bound at; never rewritten.
+    pub registered_at: i64,
 }
 
 /// A database handle that opens transactions.
@@ -144,6 +146,13 @@ pub trait StoreTx: Send {
         &mut self,
         c: &ClientRecord,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// How many client IDs `user_id` bound at or after `since_micros`.
+    fn count_registrations(
+        &mut self,
+        user_id: &str,
+        since_micros: i64,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Replaces the record of a bound client (same ID, same user); a record
     /// that does not exist is an integrity failure.
@@ -334,6 +343,25 @@ pub trait StoreTx: Send {
         session: &RebuildSession,
         digests: &[(RowIdentity, Digest)],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Ends every live session of `client_id` for `scope` (a new attempt
+    /// supersedes it): each expires at `now_micros`, its stage and pages
+    /// are deleted, and its row stays, so that its `rebuild_id` and its
+    /// continuations are answered with 409. How many it ended.
+    fn supersede_rebuild_sessions(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Rows staged by the sessions live at `now_micros`: those of
+    /// `user_id`'s clients, and all of them.
+    fn rebuild_usage(
+        &mut self,
+        user_id: &str,
+        now_micros: i64,
+    ) -> impl Future<Output = Result<RebuildUsage, StoreError>> + Send;
 
     /// The identity and digest of the staged rows from ordinal `from`, at
     /// most `max` of them, in stage order.

@@ -300,6 +300,7 @@ pub async fn connect_suite<F: HarnessFactory>(f: &F) {
     compatibility_gates(f).await;
     client_id_is_bound_to_its_user(f).await;
     retired_clients(f).await;
+    registrations_are_capped_per_user(f).await;
     class_2_history_gets_replace(f).await;
     class_3_history(f).await;
     unknown_and_class_4_lineage_is_unsupported(f).await;
@@ -462,6 +463,41 @@ async fn retired_clients<F: HarnessFactory>(f: &F) {
     let mut gated = ConnectBody::after("c1", &first);
     gated.protocol_version = 4;
     assert_eq!(fails(&mut h, "alice", &gated.to_json()).await.0, 426);
+}
+
+/// A user registers at most `limits.registrations_per_user_per_hour` new
+/// client IDs; past them a new one answers 429 with Retry-After, while the
+/// user's bound clients and other users go on.
+async fn registrations_are_capped_per_user<F: HarnessFactory>(f: &F) {
+    let mut config = example_config(|s| s);
+    config.limits.registrations_per_user_per_hour = 3;
+    let mut h = f.fresh(&config).await;
+    let mut first = None;
+    for i in 0..3 {
+        let r = ok(&mut h, "flood", &ConnectBody::fresh(&format!("flood-{i}"))).await;
+        first.get_or_insert(r);
+    }
+    // Refused, and retryable; the same request again is refused again
+    // (a refusal registers nothing).
+    for _ in 0..2 {
+        let (status, v) = h
+            .connect("flood", &ConnectBody::fresh("flood-3").to_json())
+            .await;
+        let error = member(&v, &["error"]);
+        assert_eq!(
+            (
+                status,
+                member(error, &["code"]),
+                member(error, &["retryable"])
+            ),
+            (429, &Value::string("retry_later"), &Value::Bool(true)),
+            "{v:?}"
+        );
+    }
+    let first = first.unwrap();
+    let again = ok(&mut h, "flood", &ConnectBody::after("flood-0", &first)).await;
+    assert_eq!(action(&again), "none");
+    ok(&mut h, "calm", &ConnectBody::fresh("calm-0")).await;
 }
 
 /// Adds a field to the notes table, in config text.
@@ -794,6 +830,7 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
             .collect(),
         accepted_write_epoch: 7,
         continued: true,
+        registered_at: 1_000,
     };
     let mut tx = store.begin().await.unwrap();
     assert!(tx.insert_client(&client).await.unwrap());
@@ -825,6 +862,10 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
     drop(tx);
     let mut tx = store.begin().await.unwrap();
     assert_eq!(tx.lock_client("c1").await.unwrap(), Some(client.clone()));
+    // Registrations count by the binding's time, per user.
+    assert_eq!(tx.count_registrations("u1", 1_000).await.unwrap(), 1);
+    assert_eq!(tx.count_registrations("u1", 1_001).await.unwrap(), 0);
+    assert_eq!(tx.count_registrations("u2", 0).await.unwrap(), 0);
     let changed = ClientRecord {
         generation: 2,
         retired: true,
@@ -839,6 +880,14 @@ pub async fn store_suite<S: ConformanceStore>(store: &S) {
     tx.put_client(&changed).await.unwrap();
     tx.commit().await.unwrap();
     let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.lock_client("c1").await.unwrap(), Some(changed.clone()));
+    // A put never moves the binding's time.
+    tx.put_client(&ClientRecord {
+        registered_at: 9_999,
+        ..changed.clone()
+    })
+    .await
+    .unwrap();
     assert_eq!(tx.lock_client("c1").await.unwrap(), Some(changed.clone()));
     assert_eq!(
         tx.lock_client("C1").await.unwrap(),

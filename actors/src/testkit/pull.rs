@@ -326,7 +326,10 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     let feed = store.change_feed().await.unwrap().unwrap();
     // The fresh database's baseline is empty: the stream begins at once.
     let feed = super::capture::complete_empty_baseline(&store, feed).await;
-    let node = Node::new(Engine::start(store.clone(), config).await.unwrap(), serve);
+    let node = Node::new(
+        Engine::start(store.clone(), config).await.unwrap(),
+        serve.clone(),
+    );
     capture_gates(world, &node, feed).await;
     request_errors(world, &node).await;
     stale_and_forged(world, &node).await;
@@ -334,6 +337,11 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     dedup_merge_and_siblings(world, &node).await;
     scope_movement(world, &node).await;
     admission(world, &node).await;
+    let mut limited = push_config();
+    limited.limits.requests_per_user_per_second = 1;
+    limited.limits.request_burst_per_user = 3;
+    let fair = Node::new(Engine::start(store.clone(), limited).await.unwrap(), serve);
+    fair_admission(world, &fair).await;
     fails_at_commit(world, &node).await;
     // Last: it appends manifests, and then blocks capture.
     let latest = schema_bridge(world, &node).await;
@@ -932,6 +940,36 @@ async fn admission<W: CaptureWorld>(world: &W, node: &Node) {
     assert_eq!(c.send(b).await.0, 400, "validation precedes admission");
     drop(held);
     assert_eq!(c.send(c.body(10)).await.0, 200);
+}
+
+/// Admission is fair per user: a user past its request rate (a burst of
+/// 3, then 1 a second here) gets 429 on every one of its client IDs, while
+/// another user's pull at the same moment gets 200.
+async fn fair_admission<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let flood = PullClient::connect(store, node, "fa-flood", "fa-f1").await;
+    let other = PullClient::connect(store, node, "fa-flood", "fa-f2").await;
+    let calm = PullClient::connect(store, node, "fa-calm", "fa-c1").await;
+    let mut passed = 0;
+    loop {
+        let (s, v, after) = flood.send(flood.body(10)).await;
+        if s == 429 {
+            assert_eq!((code(&v), after), ("retry_later", Some(5)));
+            break;
+        }
+        assert_eq!(s, 200, "{v:?}");
+        passed += 1;
+        assert!(passed < 20, "the flood was never refused");
+    }
+    assert!(passed >= 3, "the burst goes through");
+    let (s, v, _) = other.send(other.body(10)).await;
+    assert_eq!(
+        (s, code(&v)),
+        (429, "retry_later"),
+        "the share is the user's"
+    );
+    let (s, v, _) = calm.send(calm.body(10)).await;
+    assert_eq!(s, 200, "another user is not refused: {v:?}");
 }
 
 /// The store-conformance suite for what pull reads and writes, on a fresh store.

@@ -269,6 +269,50 @@ fn error_code(v: &Value) -> String {
 
 /// The identical fresh first connect replays until the client goes on; a
 /// push is going on, so the sentinel is then refused (spec: Connect).
+/// Admission of pushes is fair per user: past its mutation budget (a
+/// burst of 3, then 1 a second here) a user's push answers 429 and applies
+/// nothing, a replay is still answered (it precedes admission), and
+/// another user pushes.
+async fn mutation_rate<S: Store>(store: &S) {
+    let mut limited = push_config();
+    limited.limits.mutations_per_user_per_second = 1;
+    limited.limits.mutation_burst_per_user = 3;
+    let engine = Engine::start(store.clone(), limited).await.unwrap();
+    let flood = PushClient::connect(&engine, "mr-flood", "mr-f").await;
+    let calm = PushClient::connect(&engine, "mr-calm", "mr-c").await;
+    let inserts = |c: &PushClient, batch: u64, from: u64, n: u64| {
+        let mutations = (from..from + n)
+            .map(|k| {
+                let key = note_id(900 + k);
+                note_mutation(
+                    900 + k,
+                    &key,
+                    &c.schema,
+                    "insert",
+                    None,
+                    Some(note_columns("r")),
+                )
+            })
+            .collect();
+        c.batch(900 + batch, mutations, false)
+    };
+    let first = inserts(&flood, 0, 0, 2);
+    let (st, r, bytes) = flood.push(&first).await;
+    assert_eq!(st, 200, "{r:?}");
+    let (st, r, _) = flood.push(&inserts(&flood, 1, 2, 2)).await;
+    assert_eq!(st, 429, "{r:?}");
+    assert_eq!(
+        members(&members(&r)["error"])["code"].as_str(),
+        Some("retry_later")
+    );
+    let (st, again, replayed) = flood.push(&first).await;
+    assert_eq!((st, replayed), (200, bytes), "{again:?}");
+    let (st, r, _) = flood.push(&inserts(&flood, 2, 4, 1)).await;
+    assert_eq!(st, 200, "one mutation is left: {r:?}");
+    let (st, r, _) = calm.push(&inserts(&calm, 3, 10, 3)).await;
+    assert_eq!(st, 200, "another user is not refused: {r:?}");
+}
+
 async fn first_connect_replay_closes_with_a_push(engine: &Engine) {
     let fresh = json::to_canonical(&ConnectBody::fresh("c-sentinel").to_json());
     let c = PushClient::connect(engine, "u1", "c-sentinel").await;
@@ -312,6 +356,7 @@ pub async fn push_suite<W: CaptureWorld>(world: &W) {
     let s = &c.schema;
     let n1 = note_id(1);
     first_connect_replay_closes_with_a_push(&engine).await;
+    mutation_rate(&store).await;
 
     // Insert: applied, with the server's owner and lifecycle values and a checksum.
     let body = c.batch(
@@ -1371,6 +1416,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
         ever_assigned: Default::default(),
         accepted_write_epoch: 0,
         continued: false,
+        registered_at: 0,
     };
     let got = tx.insert_client(&client).await;
     assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");

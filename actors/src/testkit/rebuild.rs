@@ -290,6 +290,82 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     assert_eq!(tx.forget_rebuild_sessions(expiry, 10).await.unwrap(), 0);
     assert_eq!(tx.rebuild_session("c1", &uuid(1)).await.unwrap(), None);
     tx.commit().await.unwrap();
+
+    // Usage counts the rows of live sessions, by the owner's user; a
+    // superseded session is expired now, without stage or pages, and
+    // still answers for its rebuild_id.
+    let mut tx = store.begin().await.unwrap();
+    let owned = crate::store::ClientRecord {
+        user_id: "u-usage".into(),
+        client_id: "c1".into(),
+        generation: 1,
+        retired: false,
+        installed_schema: None,
+        scope_set_version: 0,
+        assigned: Default::default(),
+        ever_assigned: Default::default(),
+        accepted_write_epoch: 0,
+        continued: false,
+        registered_at: NOW,
+    };
+    assert!(tx.insert_client(&owned).await.unwrap());
+    let on_s1 = session(30, 30, &s1);
+    let on_s2 = session(31, 31, &s2);
+    let r1 = tx.stage_rebuild(&on_s1, &[]).await.unwrap();
+    let r2 = tx.stage_rebuild(&on_s2, &[]).await.unwrap();
+    assert!(r1 > 0 && r2 > 0);
+    tx.put_rebuild_page(&on_s1.session_id, 0, b"page")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let usage = |user_rows, total_rows| crate::staging::RebuildUsage {
+        user_rows,
+        total_rows,
+    };
+    let both = r1 + r2;
+    assert_eq!(
+        tx.rebuild_usage("u-usage", NOW).await.unwrap(),
+        usage(both, both)
+    );
+    assert_eq!(
+        tx.rebuild_usage("u-other", NOW).await.unwrap(),
+        usage(0, both)
+    );
+    assert_eq!(
+        tx.rebuild_usage("u-usage", expiry).await.unwrap(),
+        usage(0, 0),
+        "an expired session holds nothing"
+    );
+    assert_eq!(
+        tx.supersede_rebuild_sessions("c1", &s1, NOW).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        tx.supersede_rebuild_sessions("c1", &s1, NOW).await.unwrap(),
+        0
+    );
+    assert_eq!(
+        tx.rebuild_usage("u-usage", NOW).await.unwrap(),
+        usage(r2, r2)
+    );
+    let ended = tx.rebuild_session("c1", &uuid(30)).await.unwrap().unwrap();
+    assert_eq!(ended.expires_at, NOW);
+    assert!(
+        tx.staged_rows(&on_s1.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(tx.rebuild_page(&on_s1.session_id, 0).await.unwrap(), None);
+    assert!(
+        !tx.staged_rows(&on_s2.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "another scope's session lives on"
+    );
+    tx.commit().await.unwrap();
 }
 
 /// The rebuild suite on one world, its clients calling the engine.
@@ -301,6 +377,16 @@ pub async fn rebuild_suite<W: CaptureWorld>(world: &W) {
 /// through `serve`'s transport.
 pub async fn rebuild_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     let store = world.store().clone();
+    // First, while no other session is staged: the instance's budget is
+    // then this section's alone.
+    let mut limited = push_config();
+    limited.limits.rebuild_rows_per_user = 10;
+    limited.limits.rebuild_rows_total = 15;
+    let budgets = Node::new(
+        Engine::start(store.clone(), limited).await.unwrap(),
+        serve.clone(),
+    );
+    staging_limits(world, &budgets).await;
     let node = Node::new(
         Engine::start(store.clone(), push_config()).await.unwrap(),
         serve,
@@ -339,6 +425,80 @@ fn code(r: &crate::Reply) -> String {
         .as_str()
         .unwrap()
         .to_owned()
+}
+
+/// At most one live session per client and scope: a new attempt
+/// supersedes the old one, whose continuation and first request then
+/// answer 409. Staging budgets per user (10 rows here) and per instance
+/// (15): a stage that would pass one while other stages hold it answers
+/// 429 with Retry-After, and changes nothing; a stage alone may pass it.
+/// On the engine's clock (called directly), so that sessions expire when
+/// this section says.
+async fn staging_limits<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let (t0, t1) = (NOW, NOW + SESSION_LIFETIME_MICROS);
+    let rebuild = |user: &'static str, body: Vec<u8>, at: i64| {
+        let engine = node.engine.clone();
+        async move { engine.rebuild(user, body, at).await }
+    };
+    let busy = |r: &crate::Reply| {
+        assert_eq!(
+            (r.status, code(r), r.retry_after),
+            (429, "retry_later".into(), Some(5)),
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+    };
+    let ok = |r: &crate::Reply| assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // A scope larger than the user's budget stages while nothing else is.
+    notes(world, "bl-big", 900, 12).await;
+    let mut big = PullClient::connect(store, node, "bl-big", "bl-big-c").await;
+    let first_big = big.new_attempt("user:bl-big");
+    ok(&rebuild("bl-big", big.rebuild_body(&first_big, 100), t0).await);
+    // It holds 12 of the instance's 15 rows: another user's 8 rows wait.
+    notes(world, "bl-u", 920, 8).await;
+    let mut a = PullClient::connect(store, node, "bl-u", "bl-a").await;
+    let scope = "user:bl-u";
+    let mut first = a.new_attempt(scope);
+    busy(&rebuild("bl-u", a.rebuild_body(&first, 1), t0).await);
+    // A new attempt of the big scope supersedes its session: its own old
+    // rows no longer count, and it stages again.
+    let again_big = big.new_attempt("user:bl-big");
+    ok(&rebuild("bl-big", big.rebuild_body(&again_big, 100), t0).await);
+    // Once the big session expired, bl-u's first attempt stages.
+    let r = rebuild("bl-u", a.rebuild_body(&first, 1), t1).await;
+    ok(&r);
+    assert!(matches!(
+        a.replica.apply_rebuild(&mut first, &r.body).unwrap(),
+        RebuildStep::More(_)
+    ));
+    let continuation = a.rebuild_body(&first, 1);
+    // A second attempt of the same client and scope supersedes the first,
+    // whose continuation and first request then answer 409.
+    let second = a.new_attempt(scope);
+    ok(&rebuild("bl-u", a.rebuild_body(&second, 1), t1).await);
+    for body in [
+        continuation,
+        a.rebuild_body(&Rebuilding::new(scope, &first.rebuild_id), 1),
+    ] {
+        let r = rebuild("bl-u", body, t1).await;
+        assert_eq!(
+            (r.status, code(&r)),
+            (409, "rebuild_restart_required".into()),
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    // The user's other client: its 8 rows beside the first client's 8
+    // would pass the user's 10.
+    let mut b = PullClient::connect(store, node, "bl-u", "bl-b").await;
+    let other = b.new_attempt(scope);
+    busy(&rebuild("bl-u", b.rebuild_body(&other, 1), t1).await);
+    // The refusal staged and superseded nothing.
+    let mut tx = store.begin().await.unwrap();
+    let usage = tx.rebuild_usage("bl-u", t1).await.unwrap();
+    assert_eq!((usage.user_rows, usage.total_rows), (8, 8));
+    drop(tx);
 }
 
 /// Every request error, in the dispatch order.

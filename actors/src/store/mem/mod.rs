@@ -26,7 +26,7 @@ use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
-use crate::staging::{RebuildSession, StagedRow};
+use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
 use crate::stream::{Checkpoint, MembershipRules, StreamState};
 pub use capture::{MemFeed, SourceError};
 
@@ -381,11 +381,27 @@ impl StoreTx for MemTx {
         Ok(true)
     }
 
+    async fn count_registrations(
+        &mut self,
+        user_id: &str,
+        since_micros: i64,
+    ) -> Result<u64, StoreError> {
+        let n = (self.work.clients.values())
+            .filter(|c| c.user_id == user_id && c.registered_at >= since_micros)
+            .count();
+        Ok(n as u64)
+    }
+
     async fn put_client(&mut self, c: &ClientRecord) -> Result<(), StoreError> {
         storable(&[&c.client_id, &c.user_id])?;
         match self.work.clients.get_mut(&c.client_id) {
             Some(bound) if bound.user_id == c.user_id => {
-                *bound = c.clone();
+                // The binding's time is the first connect's, for ever.
+                let registered_at = bound.registered_at;
+                *bound = ClientRecord {
+                    registered_at,
+                    ..c.clone()
+                };
                 Ok(())
             }
             _ => Err(StoreError::Integrity(
@@ -689,6 +705,25 @@ impl StoreTx for MemTx {
         ordinal: u64,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         Ok(MemTx::rebuild_page(self, session_id, ordinal))
+    }
+
+    async fn supersede_rebuild_sessions(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> Result<u64, StoreError> {
+        Ok(MemTx::supersede_rebuild_sessions(
+            self, client_id, scope, now_micros,
+        ))
+    }
+
+    async fn rebuild_usage(
+        &mut self,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<RebuildUsage, StoreError> {
+        Ok(MemTx::rebuild_usage(self, user_id, now_micros))
     }
 
     async fn sweep_rebuild_sessions(

@@ -4,10 +4,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use protocol::digest::{Digest, RowIdentity};
-use protocol::ids::CanonicalUuid;
+use protocol::ids::{CanonicalUuid, ScopeId};
 
 use super::MemTx;
-use crate::staging::{RebuildSession, StagedRow};
+use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
 use crate::store::StoreError;
 
 /// One session and what it holds.
@@ -164,6 +164,46 @@ impl MemTx {
             return Err(StoreError::Integrity("a rebuild page stored twice".into()));
         }
         Ok(())
+    }
+
+    pub(super) fn supersede_rebuild_sessions(
+        &mut self,
+        client_id: &str,
+        scope: &ScopeId,
+        now_micros: i64,
+    ) -> u64 {
+        let mut ended = 0;
+        for h in self.work.rebuilds.sessions.values_mut() {
+            let s = &mut h.session;
+            if s.client_id == client_id
+                && s.scope == *scope
+                && !h.swept
+                && s.expires_at > now_micros
+            {
+                s.expires_at = now_micros;
+                h.stage = Arc::new(Vec::new());
+                h.pages.clear();
+                h.swept = true;
+                ended += 1;
+            }
+        }
+        ended
+    }
+
+    pub(super) fn rebuild_usage(&self, user_id: &str, now_micros: i64) -> RebuildUsage {
+        let mut usage = RebuildUsage::default();
+        for h in self.work.rebuilds.sessions.values() {
+            if h.swept || h.session.expires_at <= now_micros {
+                continue;
+            }
+            let rows = h.stage.len() as u64;
+            usage.total_rows += rows;
+            let owner = self.work.clients.get(&h.session.client_id);
+            if owner.is_some_and(|c| c.user_id == user_id) {
+                usage.user_rows += rows;
+            }
+        }
+        usage
     }
 
     pub(super) fn sweep_rebuild_sessions(&mut self, now_micros: i64, max: usize) -> u64 {

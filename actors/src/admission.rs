@@ -1,0 +1,251 @@
+//! Admission control (dispatch step 8), fair per user: one user, however
+//! many `client_id`s it uses, never takes what the others need.
+//!
+//! - Pages: pull and rebuild share the instance's page permits, and one
+//!   user holds at most `limits.pages_per_user` of them at once.
+//! - Rates: a token bucket per user and kind (page requests; pushed
+//!   mutations), refilled by the request's server time (the engine reads
+//!   no clock), so that a flood is refused before it costs more.
+//!
+//! Only a user over its share is answered `429 retry_later`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use protocol::error::{ErrorKind, ProtocolError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::LimitsConfig;
+
+/// Users whose state is kept before idle ones are forgotten.
+const USERS_KEPT: usize = 10_000;
+
+/// A bucket holds tokens in millionths, so that refills by the microsecond are exact.
+const UNIT: u128 = 1_000_000;
+
+/// The page permits and per-user shares of one process.
+pub struct Admission {
+    pages: Arc<Semaphore>,
+    limits: LimitsConfig,
+    users: Mutex<BTreeMap<String, UserShare>>,
+}
+
+/// What one user holds and may still spend.
+#[derive(Clone, Debug)]
+struct UserShare {
+    pages: usize,
+    requests: Bucket,
+    mutations: Bucket,
+}
+
+/// A token bucket: `tokens` (in millionths) as of `at_micros`.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    tokens: u128,
+    at_micros: i64,
+}
+
+impl Bucket {
+    fn full(burst: u64, now_micros: i64) -> Bucket {
+        Bucket {
+            tokens: u128::from(burst) * UNIT,
+            at_micros: now_micros,
+        }
+    }
+
+    /// Refills at `per_second` up to `burst`, then takes `cost` whole
+    /// tokens if it holds them.
+    fn take(&mut self, cost: u64, per_second: u64, burst: u64, now_micros: i64) -> bool {
+        // A clock that went back refills nothing.
+        let elapsed = u128::try_from(now_micros.saturating_sub(self.at_micros)).unwrap_or(0);
+        let cap = u128::from(burst) * UNIT;
+        self.tokens = cap.min(self.tokens + elapsed * u128::from(per_second));
+        self.at_micros = self.at_micros.max(now_micros);
+        let cost = u128::from(cost) * UNIT;
+        if self.tokens < cost {
+            return false;
+        }
+        self.tokens -= cost;
+        true
+    }
+
+    fn is_full(&self, burst: u64) -> bool {
+        self.tokens >= u128::from(burst) * UNIT
+    }
+}
+
+/// A page being built: one of the instance's permits and one of the
+/// user's share, both returned on drop.
+pub struct PagePermit {
+    _page: OwnedSemaphorePermit,
+    admission: Arc<Admission>,
+    user_id: String,
+}
+
+impl Drop for PagePermit {
+    fn drop(&mut self) {
+        let mut users = self.admission.lock();
+        if let Some(u) = users.get_mut(&self.user_id) {
+            assert!(u.pages > 0, "a user's pages never go below zero");
+            u.pages -= 1;
+        }
+    }
+}
+
+impl Admission {
+    /// Admission over `pages` (the instance's page permits) within `limits`.
+    pub fn new(pages: Arc<Semaphore>, limits: LimitsConfig) -> Arc<Admission> {
+        Arc::new(Admission {
+            pages,
+            limits,
+            users: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, UserShare>> {
+        // No code panics while holding it; a poisoned map is still consistent.
+        self.users.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A pull or rebuild page for `user_id`: within the user's request
+    /// rate and page share, and one of the instance's permits.
+    pub fn admit_page(
+        self: &Arc<Self>,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<PagePermit, ProtocolError> {
+        let l = &self.limits;
+        let mut users = self.lock();
+        let share = self.share(&mut users, user_id, now_micros);
+        if share.pages >= l.pages_per_user {
+            return Err(busy());
+        }
+        let page = self.pages.clone().try_acquire_owned().map_err(|_| busy())?;
+        if !share.requests.take(
+            1,
+            l.requests_per_user_per_second,
+            l.request_burst_per_user,
+            now_micros,
+        ) {
+            return Err(busy());
+        }
+        share.pages += 1;
+        drop(users);
+        Ok(PagePermit {
+            _page: page,
+            admission: self.clone(),
+            user_id: user_id.to_owned(),
+        })
+    }
+
+    /// A push of `mutations` for `user_id`, within the user's mutation rate.
+    pub fn admit_push(
+        &self,
+        user_id: &str,
+        mutations: usize,
+        now_micros: i64,
+    ) -> Result<(), ProtocolError> {
+        let l = &self.limits;
+        let mut users = self.lock();
+        let share = self.share(&mut users, user_id, now_micros);
+        let cost = u64::try_from(mutations).unwrap_or(u64::MAX);
+        match share.mutations.take(
+            cost,
+            l.mutations_per_user_per_second,
+            l.mutation_burst_per_user,
+            now_micros,
+        ) {
+            true => Ok(()),
+            false => Err(busy()),
+        }
+    }
+
+    /// The user's share, created full; idle users are forgotten when
+    /// too many are kept (a forgotten user starts full again, which it
+    /// would be by now).
+    fn share<'m>(
+        &self,
+        users: &'m mut BTreeMap<String, UserShare>,
+        user_id: &str,
+        now_micros: i64,
+    ) -> &'m mut UserShare {
+        let l = &self.limits;
+        if users.len() >= USERS_KEPT && !users.contains_key(user_id) {
+            users.retain(|_, u| {
+                u.pages > 0
+                    || !u.requests.is_full(l.request_burst_per_user)
+                    || !u.mutations.is_full(l.mutation_burst_per_user)
+            });
+        }
+        users
+            .entry(user_id.to_owned())
+            .or_insert_with(|| UserShare {
+                pages: 0,
+                requests: Bucket::full(l.request_burst_per_user, now_micros),
+                mutations: Bucket::full(l.mutation_burst_per_user, now_micros),
+            })
+    }
+}
+
+fn busy() -> ProtocolError {
+    ProtocolError::new(ErrorKind::RetryLater)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn limits() -> LimitsConfig {
+        LimitsConfig {
+            pages_per_user: 2,
+            requests_per_user_per_second: 10,
+            request_burst_per_user: 3,
+            mutations_per_user_per_second: 100,
+            mutation_burst_per_user: 150,
+            ..LimitsConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_user_holds_at_most_its_share_of_pages() {
+        let a = Admission::new(Arc::new(Semaphore::new(3)), limits());
+        let p1 = a.admit_page("alice", 0).unwrap();
+        let _p2 = a.admit_page("alice", 0).unwrap();
+        assert!(a.admit_page("alice", 0).is_err(), "alice is at her share");
+        let _b = a.admit_page("bob", 0).unwrap();
+        assert!(a.admit_page("carol", 0).is_err(), "every permit is held");
+        drop(p1);
+        // Bob's request rate is his own; Alice's bucket holds 1 more.
+        let _p3 = a.admit_page("alice", 0).unwrap();
+    }
+
+    #[test]
+    fn a_rate_refills_with_the_request_time() {
+        let a = Admission::new(Arc::new(Semaphore::new(100)), limits());
+        for _ in 0..3 {
+            drop(a.admit_page("alice", 0).unwrap());
+        }
+        assert!(a.admit_page("alice", 0).is_err(), "the burst is spent");
+        assert!(a.admit_page("alice", 99_999).is_err(), "not yet a token");
+        drop(a.admit_page("alice", 100_000).unwrap());
+        drop(a.admit_page("bob", 0).unwrap());
+        // A clock that goes back refills nothing and takes nothing away.
+        assert!(a.admit_page("alice", 50_000).is_err());
+    }
+
+    #[test]
+    fn pushes_spend_mutations() {
+        let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
+        a.admit_push("alice", 100, 0).unwrap();
+        assert!(a.admit_push("alice", 100, 0).is_err(), "50 left");
+        a.admit_push("alice", 50, 0).unwrap();
+        a.admit_push("bob", 150, 0).unwrap();
+        a.admit_push("alice", 100, 1_000_000).unwrap();
+        assert!(
+            a.admit_push("alice", 1_000, 10_000_000).is_err(),
+            "above the burst"
+        );
+    }
+}
