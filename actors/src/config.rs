@@ -198,6 +198,16 @@ pub struct ServerConfig {
     /// Pull and rebuild pages built at once; a request past them answers `429 retry_later`.
     #[serde(default = "default_pull_pages")]
     pub pull_pages: usize,
+    /// Open HTTP connections at once; one past them is answered 503 and closed.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// A request's head must arrive within this (milliseconds); a kept-alive
+    /// connection waiting for its next request is closed after it too.
+    #[serde(default = "default_header_timeout_ms")]
+    pub header_timeout_ms: u64,
+    /// A request's body must arrive within this once its head did (milliseconds).
+    #[serde(default = "default_body_timeout_ms")]
+    pub body_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -206,8 +216,25 @@ impl Default for ServerConfig {
             minimum_client_version: None,
             bootstrap_sql: None,
             pull_pages: default_pull_pages(),
+            max_connections: default_max_connections(),
+            header_timeout_ms: default_header_timeout_ms(),
+            body_timeout_ms: default_body_timeout_ms(),
         }
     }
+}
+
+/// Well below the usual open-file limit (1024 soft is common: raise it).
+fn default_max_connections() -> usize {
+    512
+}
+
+fn default_header_timeout_ms() -> u64 {
+    10_000
+}
+
+/// 1 MiB at 35 KiB/s.
+fn default_body_timeout_ms() -> u64 {
+    30_000
 }
 
 /// Each page holds one database connection for its transaction.
@@ -503,6 +530,12 @@ impl SyncConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=1024).contains(&self.server.pull_pages) {
             return err("server.pull_pages must be within 1..=1024");
+        }
+        let sv = &self.server;
+        if sv.max_connections == 0 || sv.header_timeout_ms == 0 || sv.body_timeout_ms == 0 {
+            return err(
+                "server.max_connections, header_timeout_ms and body_timeout_ms must be positive",
+            );
         }
         let l = &self.limits;
         let max_batch = protocol::limits::MAX_MUTATIONS as u64;

@@ -269,9 +269,12 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        axum::serve(listener, router(AppState { engine, auth }))
-            .await
-            .unwrap();
+        axum::serve(
+            listener,
+            router(AppState::new(engine, auth, &Default::default())),
+        )
+        .await
+        .unwrap();
     });
     println!(
         "pull over HTTP on PostgreSQL {} (adapter + engine + PgStore)",

@@ -3,8 +3,9 @@
 //! and bytes. No protocol semantics live here.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use actors::config::ServerConfig;
 use actors::{Engine, Reply};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -23,6 +24,19 @@ use crate::auth::Authenticator;
 pub struct AppState {
     pub engine: Engine,
     pub auth: Arc<Authenticator>,
+    /// A request's body must arrive within this once its head did.
+    pub body_timeout: Duration,
+}
+
+impl AppState {
+    /// The state of `engine` and `auth`, with the config's body deadline.
+    pub fn new(engine: Engine, auth: Arc<Authenticator>, server: &ServerConfig) -> AppState {
+        AppState {
+            engine,
+            auth,
+            body_timeout: Duration::from_millis(server.body_timeout_ms),
+        }
+    }
 }
 
 /// The routes of the wire spec that exist so far.
@@ -41,7 +55,9 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Logs method, path, status and latency: never headers, bodies or identities.
+/// Logs method, path, status and latency: never headers, bodies or
+/// identities. At debug level (`RUST_LOG=server::adapter=debug` turns it
+/// on): a busy server's every request at info would flood the log.
 async fn access_log(request: Request, next: Next) -> Response {
     let (method, path, start) = (
         request.method().clone(),
@@ -49,7 +65,7 @@ async fn access_log(request: Request, next: Next) -> Response {
         Instant::now(),
     );
     let response = next.run(request).await;
-    tracing::info!(%method, %path, status = response.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
+    tracing::debug!(%method, %path, status = response.status().as_u16(), micros = start.elapsed().as_micros() as u64, "request");
     response
 }
 
@@ -101,14 +117,35 @@ async fn intake(
             "Content-Type must be application/json",
         )));
     }
-    // The limit is enforced while reading: a larger body is never buffered whole.
-    let bytes = axum::body::to_bytes(body, MAX_BODY_OCTETS)
-        .await
-        .map_err(|_| {
-            reject(ProtocolError::invalid_request(
+    // No body encoding is supported: a compressed body is refused, not
+    // read as JSON.
+    let encoded = headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        !v.to_str()
+            .is_ok_and(|v| v.trim().eq_ignore_ascii_case("identity"))
+    });
+    if encoded {
+        return Err(envelope(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Content-Encoding is not supported; send the body as it is",
+        ));
+    }
+    // The limit is enforced while reading: a larger body is never buffered
+    // whole; a body that trickles in is cut off at the deadline.
+    let read = axum::body::to_bytes(body, MAX_BODY_OCTETS);
+    let bytes = match tokio::time::timeout(state.body_timeout, read).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(_)) => {
+            return Err(reject(ProtocolError::invalid_request(
                 "request body exceeds 1048576 octets",
-            ))
-        })?;
+            )));
+        }
+        Err(_) => {
+            return Err(envelope(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time",
+            ));
+        }
+    };
     Ok((user, bytes))
 }
 

@@ -4,4 +4,5 @@
 
 pub mod adapter;
 pub mod auth;
+pub mod listener;
 pub mod progress;

@@ -12,6 +12,7 @@ use actors::config::{AuthConfig, SyncConfig};
 use clap::{Parser, Subcommand};
 use server::adapter::{AppState, router};
 use server::auth::{Authenticator, dev_token, hs256_secret};
+use server::listener::HttpLimits;
 use sqlx::postgres::PgConnectOptions;
 use store_pg::cluster::PgCluster;
 use store_pg::{PgStore, catalog};
@@ -326,12 +327,13 @@ async fn serve(
         );
     }
     server::progress::draw_on_terminal(engine.clone());
-    let app = router(AppState {
-        engine,
-        auth: Arc::new(auth),
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .map_err(|e| e.to_string())
+    let app = router(AppState::new(engine, Arc::new(auth), &config.server));
+    server::listener::serve(
+        listener,
+        app,
+        HttpLimits::of(&config.server),
+        shutdown_signal(),
+    )
+    .await;
+    Ok(())
 }

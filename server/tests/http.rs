@@ -31,7 +31,7 @@ async fn start_server(store: PgStore, config: &SyncConfig, auth: Arc<Authenticat
     let engine = Engine::start(store, config.clone()).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = router(AppState { engine, auth });
+    let app = router(AppState::new(engine, auth, &config.server));
     let task = tokio::spawn(async move {
         axum::serve(listener, app).await.unwrap();
     });

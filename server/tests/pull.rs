@@ -25,10 +25,7 @@ fn http(engine: &Engine, auth: Arc<Authenticator>, secret: Arc<Vec<u8>>) -> Tran
     listener.set_nonblocking(true).unwrap();
     let addr = listener.local_addr().unwrap();
     let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-    let app = router(AppState {
-        engine: engine.clone(),
-        auth,
-    });
+    let app = router(AppState::new(engine.clone(), auth, &Default::default()));
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     Transport::new(move |route: Route, user: String, body: Vec<u8>| {
         let secret = secret.clone();
