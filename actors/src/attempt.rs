@@ -36,6 +36,11 @@ impl From<ProtocolError> for Failure {
     }
 }
 
+/// No attempt starts once this long has passed since the first: a
+/// database that is gone is answered `503` in seconds, not after every
+/// attempt waited for it.
+const RETRY_BUDGET: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Runs `attempt` until it answers: a snapshot that lost a write conflict
 /// (or a lost connection) runs again, and the client never sees it.
 pub async fn retried<F, Fut>(mut attempt: F) -> Reply
@@ -44,7 +49,11 @@ where
     Fut: Future<Output = Result<Vec<u8>, Failure>>,
 {
     let mut last = None;
+    let started = tokio::time::Instant::now();
     for _ in 0..SNAPSHOT_ATTEMPTS {
+        if last.is_some() && started.elapsed() >= RETRY_BUDGET {
+            break;
+        }
         match attempt().await {
             Ok(body) => return Reply::ok(body),
             Err(Failure::Store(StoreError::Unavailable(m))) => {

@@ -62,7 +62,16 @@ pub struct Engine {
     /// an invariant, so this process stays unready until it restarts.
     integrity_failed: Arc<AtomicBool>,
     readiness: ReadinessLimits,
+    /// When the store last failed to report health: until `UNREACHABLE_HOLD`
+    /// after, readiness answers false at once without asking again.
+    unreachable_since: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
+
+/// How long a health read may take before readiness is false.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a failed health read answers readiness by itself.
+const UNREACHABLE_HOLD: Duration = Duration::from_secs(2);
 
 /// How many requests may wait for the registry before callers wait too.
 const REGISTRY_INBOX: usize = 1024;
@@ -172,6 +181,7 @@ impl Engine {
             pull_pages,
             capture,
             integrity_failed: Arc::new(AtomicBool::new(false)),
+            unreachable_since: Arc::default(),
             readiness: ReadinessLimits {
                 max_heartbeat_age: Duration::from_millis(config.capture.max_heartbeat_age_ms),
                 max_lag: Duration::from_millis(config.capture.max_lag_ms),
@@ -281,14 +291,37 @@ impl Engine {
     /// Whether this process can serve: no integrity failure was answered,
     /// the registry runs, the store answers, and capture (led by this or
     /// another process) keeps up by the shared heartbeat.
+    /// Bounded: a store that does not answer within `HEALTH_TIMEOUT` is not
+    /// ready, and then for `UNREACHABLE_HOLD` readiness answers at once.
     pub async fn ready(&self) -> bool {
         if self.integrity_failed() {
             return false;
         }
-        self.ask(|reply| RegistryMsg::Health { reply })
-            .await
-            .flatten()
-            .is_some_and(|h| h.is_ready(&self.readiness))
+        let held = |u: &std::sync::MutexGuard<'_, Option<tokio::time::Instant>>| {
+            u.is_some_and(|at| at.elapsed() < UNREACHABLE_HOLD)
+        };
+        if held(&self.unreachable()) {
+            return false;
+        }
+        let health = tokio::time::timeout(
+            HEALTH_TIMEOUT,
+            self.ask(|reply| RegistryMsg::Health { reply }),
+        )
+        .await
+        .ok()
+        .flatten()
+        .flatten();
+        *self.unreachable() = match health {
+            None => Some(tokio::time::Instant::now()),
+            Some(_) => None,
+        };
+        health.is_some_and(|h| h.is_ready(&self.readiness))
+    }
+
+    fn unreachable(&self) -> std::sync::MutexGuard<'_, Option<tokio::time::Instant>> {
+        self.unreachable_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// What capture is doing now.

@@ -213,6 +213,27 @@ async fn open_database(
     Ok((cluster, options, password))
 }
 
+/// Watches the embedded cluster: if its postmaster dies, nothing can be
+/// served until it is back, so the process exits non-zero at once, with a
+/// clear message, for its supervisor to restart it (the next start
+/// recovers the cluster).
+fn supervise(alive: impl Fn() -> bool + Send + Sync + 'static) {
+    let alive = Arc::new(alive);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let probe = alive.clone();
+            if let Ok(false) = tokio::task::spawn_blocking(move || probe()).await {
+                eprintln!(
+                    "synchro: the embedded PostgreSQL stopped; exiting so that a supervisor \
+                     restarts synchro (the next start recovers the cluster)"
+                );
+                std::process::exit(3);
+            }
+        }
+    });
+}
+
 /// `synchro stream status` and `synchro stream reset`.
 async fn stream(action: StreamAction) -> Result<(), String> {
     let (confirm, database, reset) = match action {
@@ -284,8 +305,13 @@ async fn serve(
     data_dir: &Path,
 ) -> Result<(), String> {
     let config = load_config(config_path)?;
-    // The embedded cluster lives as long as this function; dropping it stops PostgreSQL.
-    let (_cluster, options, password) = open_database(database_url, data_dir).await?;
+    // The embedded cluster lives as long as this function; dropping it stops
+    // PostgreSQL, also one a crashed process left running (taken over).
+    let (mut cluster, options, password) = open_database(database_url, data_dir).await?;
+    if let Some(c) = &mut cluster {
+        c.take_over();
+        supervise(c.probe());
+    }
     let store = PgStore::connect_with_password(options, password.as_deref())
         .await
         .map_err(|e| format!("database: {e}"))?;

@@ -169,24 +169,31 @@ impl PgCluster {
     }
 
     fn command(&self, program: &str) -> Command {
-        let path = self.bin.join(program);
-        if self.run_as_postgres {
-            let mut c = Command::new("setpriv");
-            c.args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
-                .arg(path);
-            c
-        } else {
-            Command::new(path)
-        }
+        command_in(&self.bin, self.run_as_postgres, program)
     }
 
     fn running(&self) -> bool {
-        self.command("pg_ctl")
-            .arg("-D")
-            .arg(&self.dir)
-            .arg("status")
-            .output()
-            .is_ok_and(|o| o.status.success())
+        self.probe()()
+    }
+
+    /// A check of whether the cluster's postmaster is alive, for a
+    /// supervisor to call from anywhere (it runs `pg_ctl status`).
+    pub fn probe(&self) -> impl Fn() -> bool + Send + Sync + 'static {
+        let (bin, dir, as_postgres) = (self.bin.clone(), self.dir.clone(), self.run_as_postgres);
+        move || {
+            command_in(&bin, as_postgres, "pg_ctl")
+                .arg("-D")
+                .arg(&dir)
+                .arg("status")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        }
+    }
+
+    /// Takes over a cluster found running (its server process crashed and
+    /// left it): this handle stops it when dropped, as if it had started it.
+    pub fn take_over(&mut self) {
+        self.owned = true;
     }
 
     /// Connection options for `database` over the private socket.
@@ -251,6 +258,19 @@ impl Drop for PgCluster {
         if self.owned {
             self.stop();
         }
+    }
+}
+
+/// `program` of the PostgreSQL binaries, run as `postgres` when we are root.
+fn command_in(bin: &Path, as_postgres: bool, program: &str) -> Command {
+    let path = bin.join(program);
+    if as_postgres {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=postgres", "--regid=postgres", "--init-groups"])
+            .arg(path);
+        c
+    } else {
+        Command::new(path)
     }
 }
 

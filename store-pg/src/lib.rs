@@ -60,6 +60,10 @@ pub struct PgStore {
 /// Every driver error becomes a store failure in one place (`sqlstate`).
 use sqlstate::store_error as db_error;
 
+/// How long a request waits for a database connection before it fails
+/// (`503`): a database that is gone is reported at once, not after retries.
+pub const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl PgStore {
     /// Connects a pool and applies the migrations. The replication
     /// connection of capture uses the same server and `password`, if any.
@@ -73,8 +77,10 @@ impl PgStore {
         password: Option<&str>,
     ) -> Result<PgStore, StoreError> {
         let feed_target = FeedTarget::new(&options, password);
+        // A lost database fails a request in seconds, never in the default 30.
         let pool = PgPoolOptions::new()
             .max_connections(16)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(options.clone())
             .await
             .map_err(db_error)?;
