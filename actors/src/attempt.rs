@@ -37,9 +37,9 @@ impl From<ProtocolError> for Failure {
 }
 
 /// No attempt starts once this long has passed since the first: a
-/// database that is gone is answered `503` in seconds, not after every
-/// attempt waited for it.
-const RETRY_BUDGET: std::time::Duration = std::time::Duration::from_secs(1);
+/// database that is gone (a connection is awaited at most 2 s) is answered
+/// `503` after one attempt, not after every attempt waited for it.
+const RETRY_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Runs `attempt` until it answers: a snapshot that lost a write conflict
 /// (or a lost connection) runs again, and the client never sees it.

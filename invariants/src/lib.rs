@@ -10,6 +10,7 @@
 //! - a `client_id` is bound to one user forever: only that user ever gets a
 //!   200 for it, and every other user gets 401 `auth_required`.
 
+pub mod admission;
 pub mod capture;
 pub mod pull;
 pub mod push;

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub mod abuse;
 pub mod capture;
 mod link;
 pub mod pull;
@@ -191,8 +192,21 @@ where
     F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
 {
+    serve_engine_with(actors::testkit::example_config(|s| s), tripwire, route).await;
+}
+
+/// [`serve_engine`] with `config`.
+pub(crate) async fn serve_engine_with<F, Fut>(
+    config: actors::config::SyncConfig,
+    tripwire: Option<Arc<Tripwire>>,
+    route: F,
+) where
+    F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
+{
     let incarnation: u32 = thread_rng().r#gen();
-    let engine = remote::start_engine(remote::RemoteStore::new(incarnation as u64, tripwire)).await;
+    let store = remote::RemoteStore::new(incarnation as u64, tripwire);
+    let engine = remote::start_engine_with(store, config).await;
     let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
     let mut buf = vec![0u8; MAX_FRAME];
     loop {

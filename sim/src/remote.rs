@@ -1450,8 +1450,16 @@ impl StoreTx for RemoteTx {
 
 /// Keeps retrying until the engine starts (the database may be unreachable for a while).
 pub async fn start_engine(store: RemoteStore) -> actors::Engine {
+    start_engine_with(store, actors::testkit::example_config(|s| s)).await
+}
+
+/// [`start_engine`] with `config`.
+pub async fn start_engine_with(
+    store: RemoteStore,
+    config: actors::config::SyncConfig,
+) -> actors::Engine {
     loop {
-        match actors::Engine::start(store.clone(), actors::testkit::example_config(|s| s)).await {
+        match actors::Engine::start(store.clone(), config.clone()).await {
             Ok(engine) => return engine,
             Err(_) => sleep(Duration::from_millis(100)).await,
         }

@@ -29,6 +29,7 @@ use crate::ledger::contract::{
 use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
 use crate::stream::{Checkpoint, MembershipRules, StreamState};
 pub use capture::{MemFeed, SourceError};
+pub use rebuild::LiveSession;
 
 /// Everything the store holds.
 #[derive(Clone, Debug)]
@@ -245,6 +246,22 @@ impl MemStore {
         self.fence_visibility_lag_ms.store(ms, Ordering::SeqCst);
     }
 
+    /// Every rebuild session live at `now_micros` (for simulation judges).
+    pub async fn live_rebuild_sessions(&self, now_micros: i64) -> Vec<LiveSession> {
+        let state = self.state.lock().await;
+        state.rebuilds.live(&state.clients, now_micros)
+    }
+
+    /// Plants a bug: a new rebuild attempt supersedes no session.
+    pub async fn plant_no_supersede(&self) {
+        self.state.lock().await.rebuilds.no_supersede = true;
+    }
+
+    /// Plants a bug: rebuild usage counts no staged row (no budget holds).
+    pub async fn plant_blind_rebuild_usage(&self) {
+        self.state.lock().await.rebuilds.blind_usage = true;
+    }
+
     /// Plants the bug of issue 24: a materialization satisfies only the
     /// pending fences it can see, so one decoded before it was visible stays
     /// pending for ever.
@@ -256,6 +273,12 @@ impl MemStore {
     /// fail as a lost connection would (`Unavailable`), writing nothing.
     pub fn fail_checkpoint_commits(&self, n: usize) {
         self.failing_checkpoint_commits.store(n, Ordering::SeqCst);
+    }
+
+    /// The user of every bound client ID.
+    pub async fn bound_users(&self) -> Vec<String> {
+        let state = self.state.lock().await;
+        state.clients.values().map(|c| c.user_id.clone()).collect()
     }
 
     /// Retires a client identity (an operator action).

@@ -25,6 +25,38 @@ struct Held {
 #[derive(Clone, Debug, Default)]
 pub(super) struct Rebuilds {
     sessions: BTreeMap<CanonicalUuid, Held>,
+    /// Planted bugs: a new attempt supersedes nothing; usage counts nothing.
+    pub(super) no_supersede: bool,
+    pub(super) blind_usage: bool,
+}
+
+impl Rebuilds {
+    /// Every session live at `now_micros`, with its owner's user.
+    pub(super) fn live(
+        &self,
+        clients: &BTreeMap<String, crate::store::ClientRecord>,
+        now_micros: i64,
+    ) -> Vec<LiveSession> {
+        (self.sessions.values())
+            .filter(|h| !h.swept && h.session.expires_at > now_micros)
+            .map(|h| LiveSession {
+                client_id: h.session.client_id.clone(),
+                user_id: (clients.get(&h.session.client_id))
+                    .map_or_else(String::new, |c| c.user_id.clone()),
+                scope: h.session.scope.as_str().to_owned(),
+                rows: h.stage.len() as u64,
+            })
+            .collect()
+    }
+}
+
+/// A live rebuild session as the store holds it (for simulation judges).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveSession {
+    pub client_id: String,
+    pub user_id: String,
+    pub scope: String,
+    pub rows: u64,
 }
 
 fn missing() -> StoreError {
@@ -173,6 +205,9 @@ impl MemTx {
         now_micros: i64,
     ) -> u64 {
         let mut ended = 0;
+        if self.work.rebuilds.no_supersede {
+            return 0;
+        }
         for h in self.work.rebuilds.sessions.values_mut() {
             let s = &mut h.session;
             if s.client_id == client_id
@@ -192,6 +227,9 @@ impl MemTx {
 
     pub(super) fn rebuild_usage(&self, user_id: &str, now_micros: i64) -> RebuildUsage {
         let mut usage = RebuildUsage::default();
+        if self.work.rebuilds.blind_usage {
+            return usage;
+        }
         for h in self.work.rebuilds.sessions.values() {
             if h.swept || h.session.expires_at <= now_micros {
                 continue;
