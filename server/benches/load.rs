@@ -8,7 +8,15 @@
 //! ```text
 //! cargo bench -p server --bench load                       # 10, 100 and 1000 clients, 20 s each
 //! SYNCHRO_LOAD_CLIENTS=50 SYNCHRO_LOAD_SECONDS=10 cargo bench -p server --bench load
+//! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_CLIENTS=100 cargo bench -p server --bench load
 //! ```
+//!
+//! The abuse profile (issue 24) runs each count twice, without and then
+//! with one abusive user beside the clients: a rebuild flood (fresh
+//! `rebuild_id`s for its 20,000-row scope from 16 client IDs), a push flood
+//! (1000-mutation batches at full speed), a registration flood and 200
+//! slow connections that trickle their headers. The ordinary clients'
+//! figures are reported apart from the abuser's, with the database's growth.
 //!
 //! Each client count gets its own server process on a fresh database of a
 //! private cluster, so the figures do not carry over. Only loopback
@@ -191,10 +199,247 @@ fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
-async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &str, secret: &[u8]) {
-    let name = format!("load_{clients}");
+/// The abuser's user: 20,000 notes of its own, so each rebuild stages them.
+const ABUSER: &str = "abuser";
+
+/// What the abuser's floods got back, by endpoint and outcome.
+#[derive(Default)]
+struct Abused {
+    answers: Mutex<BTreeMap<String, usize>>,
+}
+
+impl Abused {
+    fn count(&self, what: &str, answer: &Result<Answer, TransportError>) {
+        let outcome = match answer {
+            Ok(a) => a.status.to_string(),
+            Err(_) => "no answer".into(),
+        };
+        *self
+            .answers
+            .lock()
+            .unwrap()
+            .entry(format!("{what} {outcome}"))
+            .or_default() += 1;
+    }
+}
+
+/// A fresh connect of `client_id` over `t`: its generation and schema.
+async fn abuser_connect(t: &mut HttpTransport, client_id: &str) -> Option<(i64, Value)> {
+    let body = json::to_canonical(&actors::testkit::ConnectBody::fresh(client_id).to_json());
+    let a = t.post(Endpoint::Connect, &body).await.ok()?;
+    let v = json::parse(&a.body).ok()?;
+    let o = v.as_object()?;
+    let generation = match o.get("client_generation")? {
+        Value::Number(n) => n.as_exact_i64()?,
+        _ => return None,
+    };
+    let s = o.get("schema")?.as_object()?;
+    let schema = json::object([
+        ("version", s["version"].clone()),
+        ("hash", s["hash"].clone()),
+    ]);
+    Some((generation, schema))
+}
+
+/// The rebuild flood: fresh attempts of the abuser's scope, from 16
+/// client IDs at once, as fast as answers come.
+async fn rebuild_flood(
+    addr: std::net::SocketAddr,
+    token: String,
+    n: usize,
+    seen: Arc<Abused>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut t = HttpTransport::bearer(addr, &token);
+    let client_id = format!("abuser-rebuild-{n}");
+    let Some((generation, schema)) = abuser_connect(&mut t, &client_id).await else {
+        return;
+    };
+    let mut attempt = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        attempt += 1;
+        let body = json::to_canonical(&json::object([
+            ("client_id", Value::string(&client_id)),
+            ("client_generation", Value::int(generation)),
+            ("schema", schema.clone()),
+            ("scope", Value::string(format!("user:{ABUSER}"))),
+            (
+                "rebuild_id",
+                Value::string(format!("00000000-0000-4000-8000-{n:04x}{attempt:08x}")),
+            ),
+            ("cursor", Value::Null),
+            ("limit", Value::int(1000)),
+        ]));
+        let a = t.post(Endpoint::Rebuild, &body).await;
+        seen.count("rebuild", &a);
+    }
+}
+
+/// The push flood: 1000-mutation batches, one after another.
+async fn push_flood(
+    mut c: Client<MemoryStore, HttpTransport>,
+    seen: Arc<Abused>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        for _ in 0..1000 {
+            n += 1;
+            let write = Write {
+                table: "tbl_notes".into(),
+                pk: Value::string(format!("00000000-0000-4000-8001-{n:012x}")),
+                op: WriteOp::Insert {
+                    columns: [(
+                        "fld_notes_title".to_owned(),
+                        Value::string(format!("flood {n}")),
+                    )]
+                    .into_iter()
+                    .collect(),
+                },
+                client_version: client::datetime(now_micros()),
+            };
+            c.write(&write).unwrap();
+        }
+        let r = c.push().await;
+        *seen
+            .answers
+            .lock()
+            .unwrap()
+            .entry(format!(
+                "push {}",
+                if r.is_ok() {
+                    "done"
+                } else {
+                    "refused or failed"
+                }
+            ))
+            .or_default() += 1;
+    }
+}
+
+/// The registration flood: a new client ID per request.
+async fn registration_flood(
+    addr: std::net::SocketAddr,
+    token: String,
+    seen: Arc<Abused>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut t = HttpTransport::bearer(addr, &token);
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        let body = json::to_canonical(
+            &actors::testkit::ConnectBody::fresh(&format!("abuser-reg-{n}")).to_json(),
+        );
+        let a = t.post(Endpoint::Connect, &body).await;
+        seen.count("connect", &a);
+    }
+}
+
+/// Slow connections: each sends half a header, then a byte a second.
+async fn slow_connection(addr: std::net::SocketAddr, seen: Arc<Abused>, stop: Arc<AtomicBool>) {
+    use tokio::io::AsyncWriteExt;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let _ = s
+            .write_all(b"POST /sync/pull HTTP/1.1\r\nhost: x\r\n")
+            .await;
+        let mut closed = false;
+        while !closed && !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            closed = s.write_all(b"x").await.is_err();
+        }
+        *seen
+            .answers
+            .lock()
+            .unwrap()
+            .entry("slow connection closed".into())
+            .or_default() += usize::from(closed);
+    }
+}
+
+/// Starts every flood of the abuser; they run until `stop`.
+async fn abuse(
+    addr: std::net::SocketAddr,
+    secret: &[u8],
+    seen: Arc<Abused>,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let token = server::auth::dev_token(secret, ABUSER, now).unwrap();
+    let mut tasks = Vec::new();
+    for n in 0..16 {
+        tasks.push(tokio::spawn(rebuild_flood(
+            addr,
+            token.clone(),
+            n,
+            seen.clone(),
+            stop.clone(),
+        )));
+    }
+    let config = Config {
+        max_tries: 3,
+        ..Config::default()
+    };
+    let mut pusher = Client::open(
+        MemoryStore::new(),
+        HttpTransport::bearer(addr, &token),
+        "abuser-push",
+        config,
+        7,
+    )
+    .unwrap();
+    if pusher.connect().await.is_ok() {
+        tasks.push(tokio::spawn(push_flood(pusher, seen.clone(), stop.clone())));
+    }
+    tasks.push(tokio::spawn(registration_flood(
+        addr,
+        token.clone(),
+        seen.clone(),
+        stop.clone(),
+    )));
+    for _ in 0..200 {
+        tasks.push(tokio::spawn(slow_connection(
+            addr,
+            seen.clone(),
+            stop.clone(),
+        )));
+    }
+    tasks
+}
+
+async fn database_bytes(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT pg_database_size(current_database())")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn run(
+    cluster: &PgCluster,
+    clients: usize,
+    seconds: u64,
+    secret_file: &str,
+    secret: &[u8],
+    abused: bool,
+) {
+    let name = format!("load_{clients}{}", if abused { "_abused" } else { "" });
     let store = store_pg::example_store(cluster, &name).await;
     let pool = store.pool().clone();
+    // The abuser's scope: 20,000 notes.
+    sqlx::raw_sql(&format!(
+        "INSERT INTO public.notes (id, owner_id, title) \
+         SELECT gen_random_uuid(), '{ABUSER}', 'n' || g FROM generate_series(1, 20000) g"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
     let server = Served::start(&cluster.url(&name), secret_file).await;
     assert!(
         server.addr.ip().is_loopback(),
@@ -254,6 +499,12 @@ async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &st
     }
     let stop = Arc::new(AtomicBool::new(false));
     let lag = tokio::spawn(capture_lag(pool.clone(), stop.clone()));
+    let seen = Arc::new(Abused::default());
+    let size_before = database_bytes(&pool).await;
+    let floods = match abused {
+        true => abuse(server.addr, secret, seen.clone(), stop.clone()).await,
+        false => Vec::new(),
+    };
     sink.measuring.store(true, Ordering::Relaxed);
     let start = Instant::now();
     let tasks: Vec<_> = devices
@@ -284,6 +535,10 @@ async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &st
     for t in tasks {
         t.await.unwrap();
     }
+    for f in floods {
+        f.abort();
+    }
+    let size_after = database_bytes(&pool).await;
     let mut lags = lag.await.unwrap();
     lags.sort();
     eprintln!();
@@ -303,7 +558,8 @@ async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &st
     let (_, hwm) = rss(server.child.id());
     let secs = elapsed.as_secs_f64();
     println!(
-        "{clients} clients ({users} users), {secs:.0} s: {:.0} mutations/s applied, {:.0} changes/s pulled",
+        "{clients} clients ({users} users){}, {secs:.0} s: {:.0} mutations/s applied, {:.0} changes/s pulled",
+        if abused { ", with the abuser" } else { "" },
         sink.mutations.load(Ordering::Relaxed) as f64 / secs,
         sink.changes.load(Ordering::Relaxed) as f64 / secs,
     );
@@ -326,6 +582,15 @@ async fn run(cluster: &PgCluster, clients: usize, seconds: u64, secret_file: &st
         ms(lags.last().copied().unwrap_or_default()),
         lags.len()
     );
+    println!(
+        "  database: {:.1} MB before, {:.1} MB after ({:+.1} MB)",
+        size_before as f64 / 1e6,
+        size_after as f64 / 1e6,
+        (size_after - size_before) as f64 / 1e6
+    );
+    if abused {
+        println!("  the abuser's answers: {:?}", seen.answers.lock().unwrap());
+    }
 }
 
 #[tokio::main]
@@ -343,7 +608,11 @@ async fn main() {
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+    let abuse = std::env::var("SYNCHRO_LOAD_ABUSE").is_ok_and(|v| v == "1");
     for clients in counts {
-        run(&cluster, clients, seconds, &secret_file, &secret).await;
+        run(&cluster, clients, seconds, &secret_file, &secret, false).await;
+        if abuse {
+            run(&cluster, clients, seconds, &secret_file, &secret, true).await;
+        }
     }
 }
