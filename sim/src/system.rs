@@ -904,7 +904,15 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
             .name(format!("device-{i}"))
             .ip(format!("10.0.2.{}", i + 1).parse().expect("ip"))
             .build();
-        let mutant = if i == 0 { scenario.mutant } else { None };
+        // A server bug fires once, through device 0. The client bug that
+        // keeps a removed scope's rows is in every device's library: it
+        // fires wherever the operator removes a scope a device holds.
+        let everywhere = scenario.mutant == Some(SystemMutant::KeepRemovedRows);
+        let mutant = if i == 0 || everywhere {
+            scenario.mutant
+        } else {
+            None
+        };
         let (scenario, store, grants, trace) = (
             scenario.clone(),
             store.clone(),
