@@ -23,6 +23,10 @@ const USERS_KEPT: usize = 10_000;
 /// A bucket holds tokens in millionths, so that refills by the microsecond are exact.
 const UNIT: u128 = 1_000_000;
 
+/// How long a page waits for one of the instance's permits before 429: a
+/// moment's crowd queues instead of being refused.
+const PAGE_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// The page permits and per-user shares of one process.
 pub struct Admission {
     pages: Arc<Semaphore>,
@@ -36,6 +40,7 @@ struct UserShare {
     pages: usize,
     requests: Bucket,
     mutations: Bucket,
+    stages: Bucket,
 }
 
 /// A token bucket: `tokens` (in millionths) as of `at_micros`.
@@ -53,13 +58,13 @@ impl Bucket {
         }
     }
 
-    /// Refills at `per_second` up to `burst`, then takes `cost` whole
+    /// Refills at `per_minute` up to `burst`, then takes `cost` whole
     /// tokens if it holds them.
-    fn take(&mut self, cost: u64, per_second: u64, burst: u64, now_micros: i64) -> bool {
+    fn take(&mut self, cost: u64, per_minute: u64, burst: u64, now_micros: i64) -> bool {
         // A clock that went back refills nothing.
         let elapsed = u128::try_from(now_micros.saturating_sub(self.at_micros)).unwrap_or(0);
         let cap = u128::from(burst) * UNIT;
-        self.tokens = cap.min(self.tokens + elapsed * u128::from(per_second));
+        self.tokens = cap.min(self.tokens + elapsed * u128::from(per_minute) / 60);
         self.at_micros = self.at_micros.max(now_micros);
         let cost = u128::from(cost) * UNIT;
         if self.tokens < cost {
@@ -78,11 +83,16 @@ impl Bucket {
 /// user's share, both returned on drop.
 pub struct PagePermit {
     _page: OwnedSemaphorePermit,
+    _share: UserPage,
+}
+
+/// One page of a user's share, returned on drop.
+struct UserPage {
     admission: Arc<Admission>,
     user_id: String,
 }
 
-impl Drop for PagePermit {
+impl Drop for UserPage {
     fn drop(&mut self) {
         let mut users = self.admission.lock();
         if let Some(u) = users.get_mut(&self.user_id) {
@@ -108,34 +118,55 @@ impl Admission {
     }
 
     /// A pull or rebuild page for `user_id`: within the user's request
-    /// rate and page share, and one of the instance's permits.
-    pub fn admit_page(
+    /// rate and page share, then one of the instance's permits (waiting up
+    /// to `PAGE_WAIT` for one).
+    pub async fn admit_page(
         self: &Arc<Self>,
         user_id: &str,
         now_micros: i64,
     ) -> Result<PagePermit, ProtocolError> {
+        let share = {
+            let l = &self.limits;
+            let mut users = self.lock();
+            let share = self.share(&mut users, user_id, now_micros);
+            let per_minute = l.requests_per_user_per_second.saturating_mul(60);
+            if share.pages >= l.pages_per_user
+                || !share
+                    .requests
+                    .take(1, per_minute, l.request_burst_per_user, now_micros)
+            {
+                return Err(busy());
+            }
+            share.pages += 1;
+            UserPage {
+                admission: self.clone(),
+                user_id: user_id.to_owned(),
+            }
+        };
+        let page = match self.pages.clone().try_acquire_owned() {
+            Ok(page) => page,
+            Err(_) => tokio::time::timeout(PAGE_WAIT, self.pages.clone().acquire_owned())
+                .await
+                .map_err(|_| busy())?
+                .map_err(|_| busy())?,
+        };
+        Ok(PagePermit {
+            _page: page,
+            _share: share,
+        })
+    }
+
+    /// A new rebuild session staged for `user_id`, within the user's
+    /// staging rate (each stage writes its whole scope).
+    pub fn admit_stage(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
         let l = &self.limits;
         let mut users = self.lock();
         let share = self.share(&mut users, user_id, now_micros);
-        if share.pages >= l.pages_per_user {
-            return Err(busy());
+        let rate = l.rebuild_stages_per_user_per_minute;
+        match share.stages.take(1, rate, rate, now_micros) {
+            true => Ok(()),
+            false => Err(busy()),
         }
-        let page = self.pages.clone().try_acquire_owned().map_err(|_| busy())?;
-        if !share.requests.take(
-            1,
-            l.requests_per_user_per_second,
-            l.request_burst_per_user,
-            now_micros,
-        ) {
-            return Err(busy());
-        }
-        share.pages += 1;
-        drop(users);
-        Ok(PagePermit {
-            _page: page,
-            admission: self.clone(),
-            user_id: user_id.to_owned(),
-        })
     }
 
     /// A push of `mutations` for `user_id`, within the user's mutation rate.
@@ -151,7 +182,7 @@ impl Admission {
         let cost = u64::try_from(mutations).unwrap_or(u64::MAX);
         match share.mutations.take(
             cost,
-            l.mutations_per_user_per_second,
+            l.mutations_per_user_per_second.saturating_mul(60),
             l.mutation_burst_per_user,
             now_micros,
         ) {
@@ -175,6 +206,7 @@ impl Admission {
                 u.pages > 0
                     || !u.requests.is_full(l.request_burst_per_user)
                     || !u.mutations.is_full(l.mutation_burst_per_user)
+                    || !u.stages.is_full(l.rebuild_stages_per_user_per_minute)
             });
         }
         users
@@ -183,6 +215,7 @@ impl Admission {
                 pages: 0,
                 requests: Bucket::full(l.request_burst_per_user, now_micros),
                 mutations: Bucket::full(l.mutation_burst_per_user, now_micros),
+                stages: Bucket::full(l.rebuild_stages_per_user_per_minute, now_micros),
             })
     }
 }
@@ -204,35 +237,64 @@ mod tests {
             request_burst_per_user: 3,
             mutations_per_user_per_second: 100,
             mutation_burst_per_user: 150,
+            rebuild_stages_per_user_per_minute: 2,
             ..LimitsConfig::default()
         }
     }
 
-    #[test]
-    fn a_user_holds_at_most_its_share_of_pages() {
+    #[tokio::test]
+    async fn a_user_holds_at_most_its_share_of_pages() {
         let a = Admission::new(Arc::new(Semaphore::new(3)), limits());
-        let p1 = a.admit_page("alice", 0).unwrap();
-        let _p2 = a.admit_page("alice", 0).unwrap();
-        assert!(a.admit_page("alice", 0).is_err(), "alice is at her share");
-        let _b = a.admit_page("bob", 0).unwrap();
-        assert!(a.admit_page("carol", 0).is_err(), "every permit is held");
+        let p1 = a.admit_page("alice", 0).await.unwrap();
+        let _p2 = a.admit_page("alice", 0).await.unwrap();
+        assert!(
+            a.admit_page("alice", 0).await.is_err(),
+            "alice is at her share"
+        );
+        let _b = a.admit_page("bob", 0).await.unwrap();
+        assert!(
+            a.admit_page("carol", 0).await.is_err(),
+            "every permit is held past the wait"
+        );
+        // A permit freed while a page waits is taken.
+        let waiting = {
+            let a = a.clone();
+            tokio::spawn(async move { a.admit_page("carol", 0).await.is_ok() })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         drop(p1);
-        // Bob's request rate is his own; Alice's bucket holds 1 more.
-        let _p3 = a.admit_page("alice", 0).unwrap();
+        assert!(waiting.await.unwrap(), "carol waited for alice's page");
+    }
+
+    #[tokio::test]
+    async fn a_rate_refills_with_the_request_time() {
+        let a = Admission::new(Arc::new(Semaphore::new(100)), limits());
+        for _ in 0..3 {
+            drop(a.admit_page("alice", 0).await.unwrap());
+        }
+        assert!(
+            a.admit_page("alice", 0).await.is_err(),
+            "the burst is spent"
+        );
+        assert!(
+            a.admit_page("alice", 99_999).await.is_err(),
+            "not yet a token"
+        );
+        drop(a.admit_page("alice", 100_000).await.unwrap());
+        drop(a.admit_page("bob", 0).await.unwrap());
+        // A clock that goes back refills nothing and takes nothing away.
+        assert!(a.admit_page("alice", 50_000).await.is_err());
     }
 
     #[test]
-    fn a_rate_refills_with_the_request_time() {
-        let a = Admission::new(Arc::new(Semaphore::new(100)), limits());
-        for _ in 0..3 {
-            drop(a.admit_page("alice", 0).unwrap());
+    fn stages_spend_the_staging_rate() {
+        let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
+        for _ in 0..2 {
+            a.admit_stage("alice", 0).unwrap();
         }
-        assert!(a.admit_page("alice", 0).is_err(), "the burst is spent");
-        assert!(a.admit_page("alice", 99_999).is_err(), "not yet a token");
-        drop(a.admit_page("alice", 100_000).unwrap());
-        drop(a.admit_page("bob", 0).unwrap());
-        // A clock that goes back refills nothing and takes nothing away.
-        assert!(a.admit_page("alice", 50_000).is_err());
+        assert!(a.admit_stage("alice", 0).is_err(), "2 a minute");
+        a.admit_stage("bob", 0).unwrap();
+        a.admit_stage("alice", 30_000_000).unwrap();
     }
 
     #[test]

@@ -59,6 +59,10 @@ pub struct LimitsConfig {
     /// ... and at once (at least one full batch, 1000).
     #[serde(default = "default_mutation_burst")]
     pub mutation_burst_per_user: u64,
+    /// New rebuild sessions one user may stage per minute (and at once):
+    /// each writes its whole scope.
+    #[serde(default = "default_stages_per_minute")]
+    pub rebuild_stages_per_user_per_minute: u64,
 }
 
 impl Default for LimitsConfig {
@@ -72,6 +76,7 @@ impl Default for LimitsConfig {
             request_burst_per_user: default_request_burst(),
             mutations_per_user_per_second: default_mutations_per_second(),
             mutation_burst_per_user: default_mutation_burst(),
+            rebuild_stages_per_user_per_minute: default_stages_per_minute(),
         }
     }
 }
@@ -90,22 +95,28 @@ fn default_request_burst() -> u64 {
     60
 }
 
-/// Far above what a person writes, and a fraction of what capture materializes.
+/// Far above what a person writes, and well under what capture
+/// materializes on a small machine (about 400 a second here).
 fn default_mutations_per_second() -> u64 {
-    1_000
+    200
 }
 
 fn default_mutation_burst() -> u64 {
     2_000
 }
 
+/// A device rebuilds a scope when told to: a handful a minute is plenty.
+fn default_stages_per_minute() -> u64 {
+    20
+}
+
 /// Enough for a few devices rebuilding a large scope at once.
 fn default_rebuild_rows_per_user() -> u64 {
-    500_000
+    100_000
 }
 
 fn default_rebuild_rows_total() -> u64 {
-    5_000_000
+    2_000_000
 }
 
 /// A reinstall or a new device is a registration; 60 an hour is far past
@@ -546,6 +557,7 @@ impl SyncConfig {
             l.requests_per_user_per_second,
             l.request_burst_per_user,
             l.mutations_per_user_per_second,
+            l.rebuild_stages_per_user_per_minute,
         ]
         .contains(&0)
         {

@@ -139,7 +139,7 @@ impl<S: Store> Rebuilder<S> {
                 .contains(&req.scope);
         let asked = self.judge(&ctx, &req, &client, membership_generation, assigned)?;
         // 8. Admission control.
-        let _permit = self.admission.admit_page(user_id, now_micros)?;
+        let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let (session, ordinal) = match asked {
@@ -228,9 +228,9 @@ impl<S: Store> Rebuilder<S> {
         }
     }
 
-    /// A new attempt: it supersedes the client's live sessions of the scope
-    /// (at most one lives per client and scope), then stages within the
-    /// budgets. A stage that would pass the user's or the instance's budget
+    /// A new attempt, within the user's staging rate: it supersedes the
+    /// client's live sessions of the scope (at most one lives per client
+    /// and scope), then stages within the budgets. A stage that would pass the user's or the instance's budget
     /// while other stages hold it answers `429 retry_later`, and the
     /// transaction (the superseding included) rolls back; a stage alone
     /// may be of any size, so every scope can be rebuilt.
@@ -242,6 +242,7 @@ impl<S: Store> Rebuilder<S> {
         session_id: CanonicalUuid,
     ) -> Result<RebuildSession, Failure> {
         let (client, now) = (&context.client, context.ctx.now_micros);
+        self.admission.admit_stage(&client.user_id, now)?;
         tx.supersede_rebuild_sessions(&client.client_id, &context.req.scope, now)
             .await?;
         let before = tx.rebuild_usage(&client.user_id, now).await?;

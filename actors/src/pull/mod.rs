@@ -114,7 +114,7 @@ impl<S: Store> Puller<S> {
         };
         let presented = self.judge_cursors(&ctx, &req)?;
         // 8. Admission control.
-        let _permit = self.admission.admit_page(user_id, now_micros)?;
+        let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
         let authoritative = self.registry.assignment(&mut tx, user_id).await?;
