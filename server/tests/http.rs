@@ -194,8 +194,13 @@ fn error_code(body: &[u8]) -> (String, Value) {
 async fn http_against_postgres() {
     let logs = LogBuffer::default();
     let writer = logs.clone();
+    // The access log is at debug level: on for the adapter, as an operator
+    // would turn it on.
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            "info,server::adapter=debug",
+        ))
         .with_ansi(false)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);

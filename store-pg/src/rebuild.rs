@@ -301,15 +301,7 @@ impl PgTx {
         .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        for table in ["rebuild_stage", "rebuild_pages"] {
-            sqlx::query(&format!(
-                "DELETE FROM synchro.{table} WHERE session_id = ANY($1::uuid[])"
-            ))
-            .bind(&ended)
-            .execute(&mut *self.tx)
-            .await
-            .map_err(db_error)?;
-        }
+        self.delete_stages(&ended).await?;
         Ok(ended.len() as u64)
     }
 
@@ -351,16 +343,22 @@ impl PgTx {
         .fetch_all(&mut *self.tx)
         .await
         .map_err(db_error)?;
+        self.delete_stages(&swept).await?;
+        Ok(swept.len() as u64)
+    }
+
+    /// Deletes the stages and pages of these sessions (their rows stay).
+    async fn delete_stages(&mut self, sessions: &[String]) -> Result<(), StoreError> {
         for table in ["rebuild_stage", "rebuild_pages"] {
             sqlx::query(&format!(
                 "DELETE FROM synchro.{table} WHERE session_id = ANY($1::uuid[])"
             ))
-            .bind(&swept)
+            .bind(sessions)
             .execute(&mut *self.tx)
             .await
             .map_err(db_error)?;
         }
-        Ok(swept.len() as u64)
+        Ok(())
     }
 
     pub(crate) async fn write_forget(
