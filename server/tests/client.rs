@@ -7,7 +7,6 @@
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -35,27 +34,16 @@ impl Drop for Server {
 }
 
 fn serve(dir: &Path) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_synchro"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .arg("--config")
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the server printed its address")
-            .unwrap();
-        if let Some(a) = line.strip_prefix("synchro: listening on http://") {
-            break a.parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let (config, data) = (dir.join("config.toml"), dir.join("data"));
+    let args = [
+        "--listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--data-dir".as_ref(),
+        data.as_os_str(),
+    ];
+    let (child, addr) = common::spawn_serve(&args, Stdio::null());
     Server { child, addr }
 }
 

@@ -6,7 +6,7 @@
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -18,29 +18,16 @@ mod common;
 
 /// `synchro serve` on its embedded cluster under `dir`, and its address.
 fn serve(dir: &Path) -> (Child, SocketAddr) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_synchro"))
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .arg("--config")
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the server printed its address")
-            .unwrap();
-        if let Some(a) = line.strip_prefix("synchro: listening on http://") {
-            break a.parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (child, addr)
+    let (config, data) = (dir.join("config.toml"), dir.join("data"));
+    let args = [
+        "--listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--data-dir".as_ref(),
+        data.as_os_str(),
+    ];
+    common::spawn_serve(&args, Stdio::piped())
 }
 
 fn setup() -> tempfile::TempDir {

@@ -5,7 +5,6 @@
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -59,29 +58,18 @@ impl Drop for Process {
 }
 
 fn serve(dir: &std::path::Path, url: &str) -> Process {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_synchro"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", url])
-        .arg("--config")
-        .arg(dir.join("config.toml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the server printed its address")
-            .unwrap();
-        if let Some(a) = line.strip_prefix("synchro: listening on http://") {
-            break a.parse().unwrap();
-        }
-    };
-    // Keep draining stdout so the process never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
+    let (config, data) = (dir.join("config.toml"), dir.join("data"));
+    let args = [
+        "--listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+        "--database-url".as_ref(),
+        url.as_ref(),
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--data-dir".as_ref(),
+        data.as_os_str(),
+    ];
+    let (child, addr) = common::spawn_serve(&args, Stdio::null());
     Process { child, addr }
 }
 

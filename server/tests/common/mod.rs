@@ -42,3 +42,33 @@ pub async fn request(
         .to_vec();
     (status, headers, body)
 }
+
+/// Spawns `synchro serve` with `args` (stdout piped, stderr as `stderr`
+/// says) and waits for the address it prints; its output is drained after.
+#[allow(dead_code)] // not every test binary spawns the server
+pub fn spawn_serve(
+    args: &[&std::ffi::OsStr],
+    stderr: std::process::Stdio,
+) -> (std::process::Child, SocketAddr) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
+        .arg("serve")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("the server printed its address")
+            .unwrap();
+        if let Some(a) = line.strip_prefix("synchro: listening on http://") {
+            break a.parse().unwrap();
+        }
+    };
+    // Keep draining stdout so the process never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    (child, addr)
+}
