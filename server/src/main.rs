@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use actors::Engine;
@@ -217,13 +218,24 @@ async fn open_database(
 /// served until it is back, so the process exits non-zero at once, with a
 /// clear message, for its supervisor to restart it (the next start
 /// recovers the cluster).
-fn supervise(alive: impl Fn() -> bool + Send + Sync + 'static) {
+/// The returned flag, once set, stops the watch: the process is stopping
+/// the cluster itself.
+fn supervise(alive: impl Fn() -> bool + Send + Sync + 'static) -> Arc<AtomicBool> {
     let alive = Arc::new(alive);
+    let stopping = Arc::new(AtomicBool::new(false));
+    let flag = stopping.clone();
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             let probe = alive.clone();
-            if let Ok(false) = tokio::task::spawn_blocking(move || probe()).await {
+            let dead = matches!(
+                tokio::task::spawn_blocking(move || probe()).await,
+                Ok(false)
+            );
+            if flag.load(Ordering::SeqCst) {
+                return;
+            }
+            if dead {
                 eprintln!(
                     "synchro: the embedded PostgreSQL stopped; exiting so that a supervisor \
                      restarts synchro (the next start recovers the cluster)"
@@ -232,6 +244,7 @@ fn supervise(alive: impl Fn() -> bool + Send + Sync + 'static) {
             }
         }
     });
+    stopping
 }
 
 /// `synchro stream status` and `synchro stream reset`.
@@ -308,10 +321,10 @@ async fn serve(
     // The embedded cluster lives as long as this function; dropping it stops
     // PostgreSQL, also one a crashed process left running (taken over).
     let (mut cluster, options, password) = open_database(database_url, data_dir).await?;
-    if let Some(c) = &mut cluster {
+    let supervised = cluster.as_mut().map(|c| {
         c.take_over();
-        supervise(c.probe());
-    }
+        supervise(c.probe())
+    });
     let store = PgStore::connect_with_password(options, password.as_deref())
         .await
         .map_err(|e| format!("database: {e}"))?;
@@ -361,5 +374,9 @@ async fn serve(
         shutdown_signal(),
     )
     .await;
+    // The cluster stops when this returns: that is no death to report.
+    if let Some(stopping) = supervised {
+        stopping.store(true, Ordering::SeqCst);
+    }
     Ok(())
 }
