@@ -230,10 +230,11 @@ impl<S: Store> Rebuilder<S> {
 
     /// A new attempt, within the user's staging rate: it supersedes the
     /// client's live sessions of the scope (at most one lives per client
-    /// and scope), then stages within the budgets. A stage that would pass the user's or the instance's budget
-    /// while other stages hold it answers `429 retry_later`, and the
-    /// transaction (the superseding included) rolls back; a stage alone
-    /// may be of any size, so every scope can be rebuilt.
+    /// and scope), then stages within the budgets. A stage that would pass
+    /// the user's or the instance's budget while other stages hold rows
+    /// answers `429 retry_later`, and the transaction (the superseding
+    /// included) rolls back; a stage alone may be of any size, so every
+    /// scope can be rebuilt.
     async fn new_session(
         &self,
         tx: &mut S::Tx,
