@@ -411,6 +411,10 @@ pub struct ScopeTemplate {
     parts: Vec<TemplatePart>,
 }
 
+/// A placeholder's value was the empty string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EmptyValue;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum TemplatePart {
     Literal(String),
@@ -458,22 +462,29 @@ impl ScopeTemplate {
         })
     }
 
-    /// Fills placeholders; `None` when a value is missing or empty.
-    pub fn render(&self, value: impl Fn(&str) -> Option<String>) -> Option<String> {
+    /// Fills placeholders: `Ok(None)` when a value is missing (SQL NULL: no
+    /// scope), `Err(EmptyValue)` when one is empty, which names no scope a
+    /// user can be assigned and so is never dropped silently.
+    pub fn render(
+        &self,
+        value: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, EmptyValue> {
         let mut out = String::new();
         for p in &self.parts {
             match p {
                 TemplatePart::Literal(l) => out.push_str(l),
                 TemplatePart::Placeholder(n) => {
-                    let v = value(n)?;
+                    let Some(v) = value(n) else {
+                        return Ok(None);
+                    };
                     if v.is_empty() {
-                        return None;
+                        return Err(EmptyValue);
                     }
                     out.push_str(&v);
                 }
             }
         }
-        Some(out)
+        Ok(Some(out))
     }
 
     /// Whether some values render this template to `scope_id`. Only single-placeholder
@@ -865,8 +876,9 @@ mod tests {
     fn templates() {
         let t = ScopeTemplate::parse("team:{team_id}").unwrap();
         assert_eq!(t.placeholders().collect::<Vec<_>>(), ["team_id"]);
-        assert_eq!(t.render(|_| Some("t9".into())).as_deref(), Some("team:t9"));
-        assert_eq!(t.render(|_| Some(String::new())), None);
+        assert_eq!(t.render(|_| Some("t9".into())), Ok(Some("team:t9".into())));
+        assert_eq!(t.render(|_| None), Ok(None));
+        assert_eq!(t.render(|_| Some(String::new())), Err(EmptyValue));
         assert!(t.could_produce("team:t9"));
         assert!(!t.could_produce("team:"));
         assert!(!t.could_produce("user:t9"));

@@ -489,7 +489,7 @@ fn record(current: &Manifest, r: &StagedRow) -> Result<Record, StoreError> {
             value,
         },
         image: PageRow {
-            row: Canonical::stored(r.row.clone()),
+            row: Canonical::stored(r.row.clone()).ok_or_else(|| bad("is damaged"))?,
             checksum: r.digest,
         },
         server_version: r.version.clone(),

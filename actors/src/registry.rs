@@ -204,8 +204,10 @@ pub async fn reconcile_schema<T: StoreTx>(
     Ok(SchemaHistory::new(manifests)?)
 }
 
-/// Logical IDs are immutable: a table ID keeps its relation ID, a field ID
-/// stays in its table, and an ID that was removed never comes back.
+/// Logical IDs are immutable: a table ID keeps its relation ID, and an ID
+/// that was removed never comes back. A field ID names a field within its
+/// table (every wire object that holds field IDs names its table), so two
+/// tables may each have an `id` (ADR 0016).
 pub fn check_id_reuse(history: &[Manifest], tables: &[TableManifest]) -> Result<(), String> {
     let Some(last) = history.last() else {
         return Ok(());
@@ -228,16 +230,6 @@ pub fn check_id_reuse(history: &[Manifest], tables: &[TableManifest]) -> Result<
                         t.relation_id(),
                         old.table_id()
                     ));
-                }
-                for f in t.fields() {
-                    if old.table_id() != t.table_id() && old.field(f.field_id()).is_some() {
-                        return Err(format!(
-                            "table {}, field {}: the field ID belonged to table {} in schema version {v}; IDs are never reused",
-                            t.table_id(),
-                            f.field_id(),
-                            old.table_id()
-                        ));
-                    }
                 }
             }
         }
@@ -722,7 +714,7 @@ impl<S: Store> Registry<S> {
         let mut scopes: Vec<String> = Vec::new();
         if !a.user_scope.is_empty()
             && let Ok(t) = ScopeTemplate::parse(&a.user_scope)
-            && let Some(s) = t.render(|_| Some(user_id.to_owned()))
+            && let Ok(Some(s)) = t.render(|_| Some(user_id.to_owned()))
         {
             scopes.push(s);
         }
@@ -739,7 +731,8 @@ impl<S: Store> Registry<S> {
                 .await
                 .map_err(store_error)?
             {
-                scopes.extend(t.render(|_| Some(v.clone())));
+                // An empty value names no scope: capture blocks on its rows.
+                scopes.extend(t.render(|_| Some(v.clone())).ok().flatten());
             }
         }
         // A value that cannot be a scope ID (empty or too long) assigns nothing.

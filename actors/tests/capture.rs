@@ -2,7 +2,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
 use actors::store::MemStore;
-use actors::testkit::{MemWorld as Mem, capture_suite, repair_resumes, truncate_blocks};
+use actors::testkit::{
+    MemWorld as Mem, capture_suite, invalid_owners, repair_resumes, truncate_blocks,
+};
 
 #[tokio::test]
 async fn direct_writes_become_per_scope_effects() {
@@ -14,10 +16,12 @@ async fn direct_writes_become_per_scope_effects() {
 
 #[tokio::test]
 async fn a_repair_resumes_capture_from_the_blocked_transaction() {
-    repair_resumes(&Mem {
-        store: MemStore::new(),
-    })
-    .await;
+    for owner in invalid_owners() {
+        let world = Mem {
+            store: MemStore::new(),
+        };
+        repair_resumes(&world, &owner).await;
+    }
 }
 
 #[tokio::test]

@@ -538,7 +538,28 @@ fn written_checksums_and_rows_are_canonical() {
     let c = json::Canonical::of(&row);
     assert_eq!(c.as_str(), r#"{"a":[true,null,"é"],"b":1.5}"#);
     assert_eq!(c.to_value().unwrap(), row);
-    assert_eq!(json::Canonical::stored(c.as_str().to_owned()), c);
+    assert_eq!(json::Canonical::stored(c.as_str().to_owned()), Some(c));
+}
+
+/// Damaged stored text is never spliced, in every build: a cut value, a
+/// truncation, trailing bytes, or a JSON value that is not an object.
+#[test]
+fn damaged_stored_text_is_refused() {
+    for damaged in [
+        r#"{"id":,"title":"a"}"#,
+        r#"{"id":"a","title":"#,
+        r#"{"id":"a"}}"#,
+        r#"{"id":"a"} {"#,
+        r#"["id"]"#,
+        r#""id""#,
+        "",
+    ] {
+        assert_eq!(
+            json::Canonical::stored(damaged.to_owned()),
+            None,
+            "{damaged}"
+        );
+    }
 }
 
 #[test]
@@ -554,5 +575,5 @@ fn an_object_writer_refuses_members_out_of_order() {
 #[cfg(debug_assertions)]
 #[should_panic(expected = "stored text is canonical JSON")]
 fn stored_text_must_be_canonical() {
-    json::Canonical::stored(r#"{"b":1,"a":2}"#.to_owned());
+    let _ = json::Canonical::stored(r#"{"b":1,"a":2}"#.to_owned());
 }

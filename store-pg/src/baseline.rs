@@ -14,8 +14,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
 use sqlx::{Connection, Executor, Row};
 use tokio::sync::mpsc;
 
-use crate::capture::quote_relation;
 use crate::db_error;
+use crate::sql::{literal, quote_relation};
 
 /// Chunks read ahead of the materializer (memory stays flat).
 const READ_AHEAD: usize = 2;
@@ -58,7 +58,7 @@ pub(crate) async fn start(
         .map_err(db_error)?;
     conn.execute(sqlx::raw_sql(&format!(
         "SET TRANSACTION SNAPSHOT {}",
-        crate::capture::literal(snapshot)
+        literal(snapshot)
     )))
     .await
     .map_err(db_error)?;
@@ -210,7 +210,7 @@ async fn read(
                 list.join(", "),
                 quote_column(pk),
                 quote_relation(&s.relation),
-                crate::capture::literal(table_id),
+                literal(table_id),
                 quote_column(pk),
             ),
         };
@@ -401,7 +401,7 @@ pub(crate) async fn version_unversioned(
             "INSERT INTO synchro.row_versions (table_id, key, version, fence, deleted) \
              SELECT {}, to_jsonb(r.{pk}) #>> '{{}}', replace(gen_random_uuid()::text, '-', ''), \
                0, false FROM {} r ON CONFLICT (table_id, key) DO NOTHING",
-            crate::capture::literal(&t.table_id),
+            literal(&t.table_id),
             quote_relation(&t.relation),
             pk = quote_column(&t.primary_key),
         );

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::baseline;
 use crate::pgoutput::{self, Message, TupleValue};
+use crate::sql::{literal, quote_relation, to_i64};
 use crate::{PgStore, db_error};
 
 /// The publication of exactly the captured relations (publications are per database).
@@ -72,18 +73,6 @@ fn identifier(name: &str, max: usize) -> String {
         })
         .take(max)
         .collect()
-}
-
-pub(crate) fn quote_relation(relation: &str) -> String {
-    relation
-        .split('.')
-        .map(|p| format!("\"{}\"", p.replace('"', "\"\"")))
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-pub(crate) fn literal(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
 }
 
 /// Installs triggers, guard, publication and slot for `plan`, then verifies them.
@@ -290,7 +279,7 @@ async fn create_candidate_slot(
         .as_u64();
     let snapshot = text(2)?;
     sqlx::query("UPDATE synchro.capture_slot SET consistent_lsn = $1")
-        .bind(crate::materialized::to_i64(consistent)?)
+        .bind(to_i64(consistent)?)
         .execute(&store.pool)
         .await
         .map_err(db_error)?;

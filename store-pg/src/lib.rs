@@ -17,6 +17,7 @@ pub mod operator;
 pub mod pgoutput;
 mod push;
 mod rebuild;
+mod sql;
 mod sqlstate;
 mod stream;
 
@@ -133,8 +134,10 @@ pub struct PgTx {
     writes: push::WriteCatalog,
     /// A write's savepoint is open (released by the next write's).
     savepoint_open: bool,
-    /// `SET CONSTRAINTS ALL IMMEDIATE` goes out with the next write.
-    constraints_immediate: bool,
+    /// `SET CONSTRAINTS ALL DEFERRED` goes out with the next savepoint.
+    defer_pending: bool,
+    /// Deferrable constraints are checked after each write (each is a push unit).
+    check_each_write: bool,
 }
 
 impl Store for PgStore {
@@ -176,7 +179,8 @@ impl Store for PgStore {
             tx: self.pool.begin().await.map_err(db_error)?,
             writes: self.writes.clone(),
             savepoint_open: false,
-            constraints_immediate: false,
+            defer_pending: false,
+            check_each_write: false,
         })
     }
 
@@ -194,7 +198,8 @@ impl Store for PgStore {
             tx: self.pool.begin_with(begin).await.map_err(db_error)?,
             writes: self.writes.clone(),
             savepoint_open: false,
-            constraints_immediate: false,
+            defer_pending: false,
+            check_each_write: false,
         })
     }
 

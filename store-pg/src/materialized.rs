@@ -16,6 +16,7 @@ use protocol::position::{Boundary, StreamPosition};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
+use crate::sql::{to_i64, to_u64};
 use crate::{PgTx, db_error};
 
 pub(crate) fn integrity(what: &str) -> StoreError {
@@ -29,15 +30,6 @@ pub(crate) fn unique_is_integrity(what: &'static str) -> impl Fn(sqlx::Error) ->
         sqlx::Error::Database(d) if d.code().as_deref() == Some("23505") => integrity(what),
         _ => db_error(e),
     }
-}
-
-/// LSNs and ordinals are stored as bigint; PostgreSQL LSNs stay below 2^63.
-pub(crate) fn to_i64(v: u64) -> Result<i64, StoreError> {
-    i64::try_from(v).map_err(|_| integrity("position beyond bigint"))
-}
-
-pub(crate) fn to_u64(v: i64) -> Result<u64, StoreError> {
-    u64::try_from(v).map_err(|_| integrity("negative position"))
 }
 
 pub(crate) fn digest(bytes: &[u8]) -> Result<Digest, StoreError> {
@@ -458,7 +450,7 @@ impl PgTx {
         let sql = format!(
             "SELECT relation, identity, image::text AS image FROM synchro.dependency_rows \
              WHERE relation = $1 AND image ->> {} = ANY($2)",
-            crate::capture::literal(column)
+            crate::sql::literal(column)
         );
         sqlx::query(&sql)
             .bind(relation)

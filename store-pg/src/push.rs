@@ -6,6 +6,11 @@
 //! its modifier: an explicit cast to `varchar(3)` would truncate silently;
 //! the assignment checks the modifier instead). Every write runs under a
 //! savepoint, so a refused write, or one that changes no row, leaves nothing.
+//!
+//! Deferrable constraints are deferred while a push writes and checked at
+//! the end of each push unit (ADR 0016): after each write of a non-atomic
+//! batch, and when an atomic group ends. So a trigger may write a child
+//! before its parent, and rows of a group may reference each other.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -16,7 +21,9 @@ use actors::ledger::contract::{
 use actors::ledger::intake::{check_keys, keeps_as_given};
 use actors::store::StoreError;
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 
+use crate::sql::{literal, quote_relation};
 use crate::sqlstate::refusal;
 use crate::{PgStore, PgTx, db_error};
 
@@ -30,6 +37,9 @@ pub(crate) struct RelationTypes {
     declared: HashMap<String, String>,
     /// The primary key constraint: a violation of it is a taken key.
     pk_constraint: String,
+    /// A foreign key of the relation references the relation itself: its
+    /// rows may depend on each other, so a set of them is not a set of units.
+    self_referencing: bool,
 }
 
 /// Per relation, loaded by `install`.
@@ -37,14 +47,6 @@ pub(crate) type WriteCatalog = Arc<RwLock<HashMap<String, Arc<RelationTypes>>>>;
 
 fn install_error(what: &str, e: sqlx::Error) -> StoreError {
     StoreError::Unavailable(format!("push setup: {what}: {}", db_error(e)))
-}
-
-/// `"schema"."name"` of a validated `schema.name`.
-pub(crate) fn quoted(relation: &str) -> String {
-    match relation.split_once('.') {
-        Some((s, n)) => format!("\"{s}\".\"{n}\""),
-        None => format!("\"{relation}\""),
-    }
 }
 
 /// `grant` in a block that runs it only when `held` (an SQL condition) is false.
@@ -94,7 +96,7 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
                 &format!("GRANT USAGE ON SCHEMA \"{schema}\" TO synchro_writer"),
             ));
         }
-        let relation = quoted(&t.relation);
+        let relation = quote_relation(&t.relation);
         let held = ["SELECT", "INSERT", "UPDATE", "DELETE"]
             .map(|p| format!("has_table_privilege('synchro_writer', '{relation}', '{p}')"))
             .join(" AND ");
@@ -141,6 +143,14 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
         .fetch_one(pool)
         .await
         .map_err(|e| install_error("reading the primary key constraint", e))?;
+        let self_referencing: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_constraint \
+             WHERE conrelid = $1::regclass AND confrelid = conrelid AND contype = 'f')",
+        )
+        .bind(&t.relation)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| install_error("reading the foreign keys", e))?;
         for c in &t.columns {
             if !types.contains_key(c) {
                 return Err(StoreError::Unavailable(format!(
@@ -155,6 +165,7 @@ pub(crate) async fn install(store: &PgStore, targets: &[WriteTarget]) -> Result<
                 types,
                 declared,
                 pk_constraint,
+                self_referencing,
             }),
         );
     }
@@ -227,6 +238,20 @@ impl PgTx {
         Ok(true)
     }
 
+    /// Runs statements without parameters in one round trip and returns
+    /// their rows (in text form). Boxed, as [`Self::simple`].
+    fn simple_rows(
+        &mut self,
+        sql: String,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Vec<PgRow>, sqlx::Error>> + Send + '_>,
+    > {
+        Box::pin(async move {
+            let conn: &mut sqlx::PgConnection = &mut self.tx;
+            sqlx::Executor::fetch_all(conn, sql.as_str()).await
+        })
+    }
+
     /// Runs statements without parameters in one round trip. Boxed: the
     /// future of `raw_sql` on a borrowed connection is only `Send` at one lifetime.
     fn simple(
@@ -258,16 +283,17 @@ impl PgTx {
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        // Each statement is a push unit: deferrable constraints are checked
-        // at its end. Sent with the first write's savepoint (one round trip);
-        // nothing before a write can check a constraint.
-        self.constraints_immediate = w.immediate_constraints;
+        // Deferred until the end of each push unit. Sent with the first
+        // savepoint (one round trip); nothing before a write fires a constraint.
+        self.defer_pending = true;
+        self.check_each_write = w.check_each_write;
         Ok(())
     }
 
     pub(crate) async fn stop_writes(&mut self) -> Result<(), StoreError> {
         self.savepoint_open = false;
-        self.constraints_immediate = false;
+        self.defer_pending = false;
+        self.check_each_write = false;
         self.simple("SET LOCAL ROLE NONE".into())
             .await
             .map_err(db_error)
@@ -294,7 +320,7 @@ impl PgTx {
             "SELECT r.\"{pk}\"::text, {} FROM {} r WHERE r.\"{pk}\" = ANY($1::text[]::{pk_type}[]) \
              ORDER BY r.\"{pk}\" FOR UPDATE",
             columns.join(", "),
-            quoted(&target.relation)
+            quote_relation(&target.relation)
         );
         let rows = sqlx::query(&sql)
             .persistent(false)
@@ -368,7 +394,7 @@ impl PgTx {
                 }
                 let sql = format!(
                     "INSERT INTO {} ({}) VALUES ({})",
-                    quoted(&target.relation),
+                    quote_relation(&target.relation),
                     columns.join(", "),
                     exprs.join(", ")
                 );
@@ -381,7 +407,7 @@ impl PgTx {
                 }
                 let sql = format!(
                     "UPDATE {} SET {} WHERE \"{pk}\" = {}",
-                    quoted(&target.relation),
+                    quote_relation(&target.relation),
                     sets.join(", "),
                     cast(1, &pk_type)
                 );
@@ -390,7 +416,7 @@ impl PgTx {
             RowWrite::Delete => (
                 format!(
                     "DELETE FROM {} WHERE \"{pk}\" = {}",
-                    quoted(&target.relation),
+                    quote_relation(&target.relation),
                     cast(1, &pk_type)
                 ),
                 &[][..],
@@ -420,26 +446,41 @@ impl PgTx {
             self.undo_write().await?;
             return Ok(WriteResult::Unchanged);
         }
-        // The row as the writer now sees it, and the version the trigger gave it.
+        // The end of the push unit when each write is one, then the row as
+        // the writer now sees it and the version the trigger gave it: one
+        // round trip, so the text form (the key is a checked literal).
         let mut columns = Vec::new();
         for c in &target.columns {
             columns.push(select_text("r", c));
         }
+        let check = if self.check_each_write {
+            self.defer_pending = true;
+            "SET CONSTRAINTS ALL IMMEDIATE; "
+        } else {
+            ""
+        };
         let sql = format!(
-            "SELECT v.version, r.\"{pk}\" IS NOT NULL, {} FROM synchro.row_versions v \
-             LEFT JOIN {} r ON r.\"{pk}\" = {} WHERE v.table_id = $2 AND v.key = $3",
+            "{check}SELECT v.version, r.\"{pk}\" IS NOT NULL, {} FROM synchro.row_versions v \
+             LEFT JOIN {} r ON r.\"{pk}\" = {}::{pk_type} WHERE v.table_id = {} AND v.key = {}",
             columns.join(", "),
-            quoted(&target.relation),
-            cast(1, &pk_type)
+            quote_relation(&target.relation),
+            literal(key),
+            literal(&target.table_id),
+            literal(key),
         );
-        let row = sqlx::query(&sql)
-            .bind(key)
-            .bind(&target.table_id)
-            .bind(key)
-            .fetch_optional(&mut *self.tx)
-            .await
-            .map_err(db_error)?
-            .ok_or_else(|| StoreError::Integrity("a written row has no version".into()))?;
+        let row = match self.simple_rows(sql).await {
+            Ok(rows) => rows.into_iter().next(),
+            Err(e) => {
+                // The unit's constraint check failed: the write is refused.
+                let refused = refusal(&e, &rel.pk_constraint).map(unit_refusal);
+                self.undo_write().await?;
+                return match refused {
+                    Some(r) => Ok(WriteResult::Refused(r)),
+                    None => Err(db_error(e)),
+                };
+            }
+        }
+        .ok_or_else(|| StoreError::Integrity("a written row has no version".into()))?;
         let version: String = row.try_get(0).map_err(db_error)?;
         let exists: bool = row.try_get(1).map_err(db_error)?;
         let deleting = matches!(write, RowWrite::Delete);
@@ -475,9 +516,13 @@ impl PgTx {
         writes: &[(String, RowWrite)],
     ) -> Result<Option<Vec<WriteResult>>, StoreError> {
         let rel = self.relation(target)?;
+        if self.check_each_write && rel.self_referencing {
+            // A row may need one written after it: each unit alone decides.
+            return Ok(None);
+        }
         let pk = &target.primary_key;
         let pk_type = self.type_of(&rel, pk)?.to_owned();
-        let relation = quoted(&target.relation);
+        let relation = quote_relation(&target.relation);
         // Groups in order of first appearance: (kind, columns) -> rows.
         let mut groups: Vec<(u8, Vec<String>, Vec<usize>)> = Vec::new();
         for (i, (_, w)) in writes.iter().enumerate() {
@@ -567,6 +612,18 @@ impl PgTx {
                 return Ok(None);
             }
         }
+        if self.check_each_write {
+            // The end of every unit of the set: any failure, and the per-row path says whose.
+            self.defer_pending = true;
+            if let Err(e) = self.simple("SET CONSTRAINTS ALL IMMEDIATE".into()).await {
+                let refused = refusal(&e, &rel.pk_constraint);
+                self.undo_write().await?;
+                return match refused {
+                    Some(_) => Ok(None),
+                    None => Err(db_error(e)),
+                };
+            }
+        }
         // Every row as the writer now sees it, with the version its write created.
         let mut columns = Vec::new();
         for c in &target.columns {
@@ -628,8 +685,8 @@ impl PgTx {
         } else {
             format!("SAVEPOINT {WRITE_SAVEPOINT}")
         };
-        if std::mem::take(&mut self.constraints_immediate) {
-            open.insert_str(0, "SET CONSTRAINTS ALL IMMEDIATE; ");
+        if std::mem::take(&mut self.defer_pending) {
+            open.insert_str(0, "SET CONSTRAINTS ALL DEFERRED; ");
         }
         self.simple(open).await.map_err(db_error)?;
         self.savepoint_open = true;
@@ -646,11 +703,15 @@ impl PgTx {
     }
 
     pub(crate) async fn open_group(&mut self) -> Result<(), StoreError> {
-        let sql = if self.savepoint_open {
+        let mut sql = if self.savepoint_open {
             format!("RELEASE SAVEPOINT {WRITE_SAVEPOINT}; SAVEPOINT {GROUP_SAVEPOINT}")
         } else {
             format!("SAVEPOINT {GROUP_SAVEPOINT}")
         };
+        // The group is the unit: its deferrable constraints wait for its end.
+        if std::mem::take(&mut self.defer_pending) {
+            sql.insert_str(0, "SET CONSTRAINTS ALL DEFERRED; ");
+        }
         self.savepoint_open = false;
         self.simple(sql).await.map_err(db_error)
     }
@@ -659,10 +720,11 @@ impl PgTx {
         match self.simple("SET CONSTRAINTS ALL IMMEDIATE".into()).await {
             Ok(()) => Ok(None),
             // The group savepoint is still there: the caller undoes the group.
-            // No primary key can fail here (they are not deferrable), hence "".
+            // Whatever failed, the group's last mutation owns it as
+            // `validation_failed` (a deferrable key included, hence "").
             Err(e) => match refusal(&e, "") {
-                Some(Refusal::DuplicateKey) | None => Err(db_error(e)),
-                Some(r) => Ok(Some(r)),
+                None => Err(db_error(e)),
+                Some(r) => Ok(Some(unit_refusal(r))),
             },
         }
     }
@@ -672,5 +734,14 @@ impl PgTx {
         self.simple(format!("ROLLBACK TO SAVEPOINT {GROUP_SAVEPOINT}"))
             .await
             .map_err(db_error)
+    }
+}
+
+/// A refusal at the end of a push unit: a deferred constraint failed,
+/// whatever raised it (`validation_failed`); a taken key stays one.
+fn unit_refusal(r: Refusal) -> Refusal {
+    match r {
+        Refusal::DuplicateKey => Refusal::DuplicateKey,
+        Refusal::Policy | Refusal::Constraint => Refusal::Constraint,
     }
 }

@@ -10,7 +10,8 @@ use protocol::position::Boundary;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::materialized::{digest, identity_digest, integrity, to_i64, to_u64, version};
+use crate::materialized::{digest, identity_digest, integrity, version};
+use crate::sql::{to_i64, to_u64};
 use crate::{PgTx, db_error};
 
 const SESSION_COLUMNS: &str = "session_id::text, client_id, rebuild_id::text, scope_id, \

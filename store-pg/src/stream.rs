@@ -13,7 +13,8 @@ use protocol::position::{Boundary, StreamPosition};
 use protocol::token::{KeyState, TokenKey, TokenKind};
 use sqlx::Row;
 
-use crate::materialized::{EFFECT_COLUMNS, bounds, effect, to_i64, to_u64};
+use crate::materialized::{EFFECT_COLUMNS, bounds, effect};
+use crate::sql::{to_i64, to_u64};
 use crate::{PgTx, db_error};
 
 fn integrity(what: &str) -> StoreError {

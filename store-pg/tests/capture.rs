@@ -7,7 +7,8 @@ use actors::capture::CaptureProblem;
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
 use actors::testkit::{
-    CaptureWorld, Write, capture_suite, fast_config, repair_resumes, truncate_blocks,
+    CaptureWorld, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
+    truncate_blocks,
 };
 use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
@@ -53,10 +54,12 @@ async fn capture_on_postgres() {
     // The capture-state primitives, as on MemStore.
     actors::testkit::capture_store_suite(&example_store(&cluster, "conformance").await).await;
 
-    let repaired = Pg {
-        store: example_store(&cluster, "repair").await,
-    };
-    repair_resumes(&repaired).await;
+    for (i, owner) in invalid_owners().iter().enumerate() {
+        let repaired = Pg {
+            store: example_store(&cluster, &format!("repair_{i}")).await,
+        };
+        repair_resumes(&repaired, owner).await;
+    }
 }
 
 /// A fresh example database with an engine whose capture runs.

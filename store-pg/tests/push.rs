@@ -73,7 +73,7 @@ async fn push_writes_leave_fences() {
     tx.begin_writes(&Writer {
         user_id: "u1".into(),
         client_id: "c-fence".into(),
-        immediate_constraints: true,
+        check_each_write: true,
     })
     .await
     .unwrap();

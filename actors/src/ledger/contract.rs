@@ -52,9 +52,10 @@ pub struct PushRecord {
 pub struct Writer {
     pub user_id: String,
     pub client_id: String,
-    /// Check deferrable constraints at the end of every statement: each
-    /// write is its own push unit (a non-atomic batch).
-    pub immediate_constraints: bool,
+    /// Check deferrable constraints at the end of every write: each
+    /// mutation is its own push unit (a non-atomic batch). Otherwise the
+    /// group is the unit, checked when it ends.
+    pub check_each_write: bool,
 }
 
 /// A registered table as push writes it: physical names only.

@@ -149,6 +149,32 @@ pub fn early(
     })
 }
 
+/// Whether the mutation's key is a canonical value of its key field's type:
+/// the type in the authored manifest when it has the field (a type that
+/// changed since is `schema_incompatible`, decided later), else the
+/// current one. A key of another JSON kind or spelling names no row under
+/// any schema the client was given, so the whole request is invalid (the
+/// spec's 400 for an invalid typed primary key). A key of an unknown table
+/// or field is left to the per-mutation outcomes.
+pub fn typed_key_is_valid(
+    m: &Mutation,
+    history: &SchemaHistory,
+    rules: Option<&TableRules>,
+) -> bool {
+    let Some(current) = rules.map(|r| &r.manifest) else {
+        return true;
+    };
+    if m.pk.field_id != current.primary_key_field_id() {
+        return true;
+    }
+    let authored = history
+        .find(&m.authored_schema)
+        .and_then(|a| a.table(&m.table))
+        .and_then(|t| t.field(&m.pk.field_id));
+    let field = authored.unwrap_or(current.primary_key());
+    value::decode_key(field.field_type().ty, &m.pk.value).is_ok()
+}
+
 fn sorted(ids: impl Iterator<Item = String>) -> Vec<String> {
     let set: BTreeSet<String> = ids.collect();
     set.into_iter().collect() // BTreeSet<String> orders by bytes

@@ -11,8 +11,8 @@ use protocol::json::Value;
 use protocol::value::PortableType;
 use protocol::wire::RowImage;
 use protocol::wire::push::{
-    ConflictState, Mutation, Operation, Outcome, OutcomeEntry, OutcomeHead, PushRequest,
-    TerminalCode,
+    ConflictCode, ConflictState, Mutation, Operation, Outcome, OutcomeEntry, OutcomeHead,
+    PushRequest, TerminalCode,
 };
 
 use super::contract::{self, FoundRow, Refusal, RowWrite, WriteResult, Writer};
@@ -226,15 +226,15 @@ impl<S: Store> Ledger<S> {
         tx.undo_group().await.map_err(store_error)?;
         let m = &req.mutations[i];
         let mut outcome = outcomes[i].take();
-        if let Some(Outcome::Conflict { .. }) = outcome
+        if let Some(Outcome::Conflict { code, .. }) = &outcome
             && let Some((_, p)) = planned.iter().find(|(j, _)| *j == i)
         {
-            // The committed state after the rollback, as the writer sees it.
+            // The conflict keeps its code and carries the committed state
+            // after the rollback, as the writer sees it (a row a cascade of
+            // the group deleted is live again).
             let found = self.find(tx, std::iter::once(p)).await?;
-            let f = lookup(&found, p)?;
-            if let Verdict::Done(o) = self.evaluate_row(m, p, f, head(m), writer)? {
-                outcome = Some(*o);
-            }
+            let (state, wire) = self.observe(p, lookup(&found, p)?, writer)?;
+            outcome = Some(conflict(head(m), *code, &state, wire)?);
         }
         tx.end_writes().await.map_err(store_error)?;
         Ok(Some(atomic_rejection(req, i, outcome, &head)))
@@ -306,16 +306,19 @@ impl<S: Store> Ledger<S> {
                 rows.insert(row_key, f);
                 Ok(outcome)
             }
-            WriteResult::Unchanged => Ok(rejected(TerminalCode::PolicyRejected)),
-            WriteResult::Refused(Refusal::DuplicateKey) => {
-                // Another writer committed this key meanwhile: judge it as it stands now.
+            // Zero rows changed under the lock (row security or a BEFORE
+            // trigger that returned NULL, or a row that an earlier write of
+            // this push deleted by cascade), or another writer committed
+            // this key meanwhile: judge the row as it stands now.
+            WriteResult::Unchanged | WriteResult::Refused(Refusal::DuplicateKey) => {
                 let found = self.find(tx, std::iter::once(p)).await?;
                 let f = lookup(&found, p)?;
                 let verdict = self.evaluate_row(m, p, f, head.clone(), writer)?;
                 rows.insert(row_key, f.clone());
                 Ok(match verdict {
                     Verdict::Done(outcome) => *outcome,
-                    // The key is taken by a row the writer cannot see.
+                    // The row stands as it was, so the source denied the
+                    // write, or the key is taken by a row the writer cannot see.
                     Verdict::Write => rejected(TerminalCode::PolicyRejected),
                 })
             }
@@ -332,6 +335,26 @@ impl<S: Store> Ledger<S> {
         head: OutcomeHead,
         writer: &Writer,
     ) -> Result<Verdict, ProtocolError> {
+        let (state, wire) = self.observe(p, found, writer)?;
+        Ok(match evaluate::decide(&m.op, &state) {
+            Decision::Write => Verdict::Write,
+            Decision::PolicyRejected => Verdict::Done(Box::new(Outcome::Rejected {
+                head,
+                code: TerminalCode::PolicyRejected,
+            })),
+            Decision::Conflict(code) => {
+                Verdict::Done(Box::new(conflict(head, code, &state, wire)?))
+            }
+        })
+    }
+
+    /// The row state of a found row as `writer` sees it, with its wire row.
+    fn observe(
+        &self,
+        p: &Planned,
+        found: &FoundRow,
+        writer: &Writer,
+    ) -> Result<(RowState, Option<(Value, RowImage)>), ProtocolError> {
         let t = self.table(&p.table_id)?;
         let wire = self.wire(t, found)?;
         let tombstone = wire.as_ref().is_some_and(|(w, _)| t.model.is_tombstone(w));
@@ -348,31 +371,7 @@ impl<S: Store> Ledger<S> {
             StateError::Unversioned => integrity("a registered row has no version"),
             StateError::BadVersion => integrity("a stored version is malformed"),
         })?;
-        Ok(match evaluate::decide(&m.op, &state) {
-            Decision::Write => Verdict::Write,
-            Decision::PolicyRejected => Verdict::Done(Box::new(Outcome::Rejected {
-                head,
-                code: TerminalCode::PolicyRejected,
-            })),
-            Decision::Conflict(code) => {
-                let conflict_state = match (&state, wire) {
-                    (RowState::Visible { version, .. }, Some((_, image))) => ConflictState::Row {
-                        image,
-                        server_version: version.clone(),
-                    },
-                    (RowState::FenceOnly(version), _) => ConflictState::FenceOnly {
-                        server_version: version.clone(),
-                    },
-                    (RowState::Absent, _) => ConflictState::Absent,
-                    _ => return Err(integrity("a conflict without its row state")),
-                };
-                Verdict::Done(Box::new(Outcome::Conflict {
-                    head,
-                    code,
-                    state: conflict_state,
-                }))
-            }
-        })
+        Ok((state, wire))
     }
 
     /// The applied outcome for the row as found after the write.
@@ -488,6 +487,36 @@ impl<S: Store> Ledger<S> {
             },
         }
     }
+}
+
+/// A conflict with `code` carrying the row state as the writer sees it; a
+/// live row that row security hides is `policy_rejected` instead.
+fn conflict(
+    head: OutcomeHead,
+    code: ConflictCode,
+    state: &RowState,
+    wire: Option<(Value, RowImage)>,
+) -> Result<Outcome, ProtocolError> {
+    let state = match (state, wire) {
+        (RowState::Hidden, _) => {
+            return Ok(Outcome::Rejected {
+                head,
+                code: TerminalCode::PolicyRejected,
+            });
+        }
+        (RowState::Visible { version, .. }, Some((_, image))) => ConflictState::Row {
+            image,
+            server_version: version.clone(),
+        },
+        (RowState::FenceOnly(version), _) => ConflictState::FenceOnly {
+            server_version: version.clone(),
+        },
+        (RowState::Absent, _) => ConflictState::Absent,
+        (RowState::Visible { .. }, None) => {
+            return Err(integrity("a conflict without its row state"));
+        }
+    };
+    Ok(Outcome::Conflict { head, code, state })
 }
 
 /// Batches with fewer planned writes take the per-mutation path directly.

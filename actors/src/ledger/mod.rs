@@ -229,6 +229,19 @@ impl<S: Store> Ledger<S> {
                 received_schema: req.schema,
             }));
         }
+        // 3, against the schema just gated: every typed key of a known table.
+        if req.mutations.iter().any(|m| {
+            !reused.contains_key(&m.mutation_id)
+                && !evaluate::typed_key_is_valid(
+                    m,
+                    &self.history,
+                    self.tables.get(&m.table).map(|t| &t.rules),
+                )
+        }) {
+            return Err(ProtocolError::invalid_request(
+                "a primary key is not a canonical value of its field's type",
+            ));
+        }
         // 8. Admission control: the user's mutation rate.
         self.admission
             .admit_push(user_id, req.mutations.len(), now_micros)?;
@@ -253,7 +266,7 @@ impl<S: Store> Ledger<S> {
         let writer = Writer {
             user_id: user_id.to_owned(),
             client_id: req.client_id.clone(),
-            immediate_constraints: !req.atomic,
+            check_each_write: !req.atomic,
         };
         let outcomes = self
             .execute(&mut tx, &req, &writer, slots, &server_time)

@@ -23,6 +23,7 @@ use crate::capture::{
     CaptureProblem, CapturedRow, ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization,
     MaterializedTransaction, Membership, Projection, SourceImage, SourceTransaction,
 };
+use crate::config::EmptyValue;
 use crate::store::{StoreError, StoreTx};
 
 /// What a group produced: the combined writes of the transactions that
@@ -470,8 +471,9 @@ fn membership(
     row: &Value,
 ) -> Result<BTreeSet<ScopeId>, CaptureProblem> {
     let mut scopes = BTreeSet::new();
-    let mut add = |rendered: Option<String>| -> Result<(), CaptureProblem> {
-        if let Some(s) = rendered {
+    // An empty placeholder value is as invalid as an ID too long: it blocks.
+    let mut add = |rendered: Result<Option<String>, EmptyValue>| -> Result<(), CaptureProblem> {
+        if let Some(s) = rendered.map_err(|_| CaptureProblem::InvalidScopeId)? {
             scopes.insert(ScopeId::parse(&s).ok_or(CaptureProblem::InvalidScopeId)?);
         }
         Ok(())
@@ -479,7 +481,7 @@ fn membership(
     for rule in &table.rules {
         match rule {
             Rule::Own(t) => add(t.render(|c| table.render_value(row, c)))?,
-            Rule::Constant(c) => add(Some(c.clone()))?,
+            Rule::Constant(c) => add(Ok(Some(c.clone())))?,
             Rule::Via { via, key, template } => {
                 let Some(own) = table.render_value(row, &table.primary_key) else {
                     continue;

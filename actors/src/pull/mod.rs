@@ -366,7 +366,7 @@ fn change(current: &Manifest, e: &Effect) -> Result<Change, Failure> {
         // The captured text is the materializer's canonical rendering of
         // the wire row: the page splices it as it is.
         Ok(PageRow {
-            row: json::Canonical::stored(r.row.clone()),
+            row: json::Canonical::stored(r.row.clone()).ok_or_else(|| bad("row is damaged"))?,
             checksum,
         })
     };

@@ -510,20 +510,26 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
     assert_eq!(public.len(), 1);
 }
 
+/// The owners whose `user:{owner_id}` is not a scope ID: one that would
+/// exceed 512 octets, and the empty value, which names no scope.
+pub fn invalid_owners() -> [String; 2] {
+    ["x".repeat(600), String::new()]
+}
+
 /// A quarantined transaction is retried, not skipped: once the cause is
-/// repaired (here, a rule that rendered an over-long scope ID is replaced),
-/// the same transaction materializes and capture resumes behind it.
-pub async fn repair_resumes<W: CaptureWorld>(world: &W) {
+/// repaired (here, a rule that rendered `owner` into an invalid scope ID
+/// is replaced), the same transaction materializes and capture resumes
+/// behind it.
+pub async fn repair_resumes<W: CaptureWorld>(world: &W, owner: &str) {
     let store = world.store().clone();
     let engine = Engine::start(store.clone(), fast_config(|s| s))
         .await
         .unwrap();
     // The stream is open: the note is a transaction of it, not of the baseline.
     ready_becomes(&engine, true, "capture runs").await;
-    let long_owner = "x".repeat(600); // user:{owner_id} would exceed 512 octets
     let note = [
         ("id", Some(N1)),
-        ("owner_id", Some(long_owner.as_str())),
+        ("owner_id", Some(owner)),
         ("title", Some("t")),
         ("body", None),
         ("pinned", Some("f")),

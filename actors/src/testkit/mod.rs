@@ -16,8 +16,8 @@ mod rebuild;
 mod stream;
 mod transport;
 pub use capture::{
-    CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, repair_resumes,
-    stream_begun, truncate_blocks,
+    CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, invalid_owners,
+    repair_resumes, stream_begun, truncate_blocks,
 };
 pub use pull::{
     PullClient, cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_row,

@@ -1275,7 +1275,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
     let writer = Writer {
         user_id: "u1".into(),
         client_id: "c1".into(),
-        immediate_constraints: true,
+        check_each_write: true,
     };
     let values = |title: &str| {
         vec![
