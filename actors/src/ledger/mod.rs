@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use protocol::error::{ErrorKind, ProtocolError};
 use protocol::fingerprint::{batch_fingerprint, mutation_fingerprint};
+use protocol::ids::CanonicalUuid;
 use protocol::json;
 use protocol::manifest::Manifest;
 use protocol::wire::format_server_time;
@@ -229,19 +230,8 @@ impl<S: Store> Ledger<S> {
                 received_schema: req.schema,
             }));
         }
-        // 3, against the schema just gated: every typed key of a known table.
-        if req.mutations.iter().any(|m| {
-            !reused.contains_key(&m.mutation_id)
-                && !evaluate::typed_key_is_valid(
-                    m,
-                    &self.history,
-                    self.tables.get(&m.table).map(|t| &t.rules),
-                )
-        }) {
-            return Err(ProtocolError::invalid_request(
-                "a primary key is not a canonical value of its field's type",
-            ));
-        }
+        // 3, against the schema just gated.
+        self.check_typed_keys(&req, &reused)?;
         // 8. Admission control: the user's mutation rate.
         self.admission
             .admit_push(user_id, req.mutations.len(), now_micros)?;
@@ -313,6 +303,29 @@ impl<S: Store> Ledger<S> {
         }
         tx.commit().await.map_err(store_error)?;
         Ok(Reply::ok(body))
+    }
+
+    /// Structure that needs the schema: every first-execution key of a known
+    /// table is a canonical value of its key's type, else the request is 400.
+    fn check_typed_keys<E>(
+        &self,
+        req: &PushRequest,
+        reused: &BTreeMap<CanonicalUuid, E>,
+    ) -> Result<(), ProtocolError> {
+        let invalid = req.mutations.iter().any(|m| {
+            !reused.contains_key(&m.mutation_id)
+                && !evaluate::typed_key_is_valid(
+                    m,
+                    &self.history,
+                    self.tables.get(&m.table).map(|t| &t.rules),
+                )
+        });
+        if invalid {
+            return Err(ProtocolError::invalid_request(
+                "a primary key is not a canonical value of its field's type",
+            ));
+        }
+        Ok(())
     }
 
     /// The identity a first-execution outcome echoes, under the current schema.

@@ -923,6 +923,30 @@ async fn request_errors<S: Store>(store: &S, c: &PushClient) {
             );
         }
     }
+    // A typed key of another JSON kind than its field's type (a number for
+    // the string key) is an invalid typed primary key: 400, not an outcome.
+    let mut numeric = note_mutation(
+        952,
+        &note_id(952),
+        s,
+        "insert",
+        None,
+        Some(note_columns("k")),
+    );
+    if let Value::Object(o) = &mut numeric {
+        o.insert(
+            "pk".into(),
+            json::object([("fld_notes_id", json::parse(b"5").unwrap())]),
+        );
+    }
+    for atomic in [false, true] {
+        let (st, r, _) = c.push(&c.batch(952, vec![numeric.clone()], atomic)).await;
+        assert_eq!(
+            (st, error_code(&r).as_str()),
+            (400, "invalid_request"),
+            "atomic {atomic}"
+        );
+    }
     // Two spellings of one row in an atomic batch are not two rows: the
     // respelled one makes the request invalid.
     let lower = "018f2b5e-7c42-7a1d-9d31-8a95bd6740ab";
