@@ -13,6 +13,9 @@
 //! - no two accepted writes advance the same prior version: an applied
 //!   update or delete produced the version that follows its base version in
 //!   the chain, and no two applied writes share a base;
+//! - a request holding a key of the wrong JSON type (every key of the
+//!   example's tables is a string) is refused whole with `400`: it never
+//!   gets per-mutation outcomes;
 //! - once capture has passed an accepted push's commit, none of its fences
 //!   is pending (`check_fences`): its client is never told
 //!   `capture_pending` for a write that is already pull-visible.
@@ -78,6 +81,19 @@ fn array<'v>(v: &'v Value, member: &str) -> Option<&'v [Value]> {
     }
 }
 
+/// Whether a mutation of `request` holds a key that is not a JSON string
+/// (every key of the example's tables is a `string` field).
+fn has_mistyped_key(request: &[u8]) -> bool {
+    let Ok(req) = json::parse(request) else {
+        return false;
+    };
+    array(&req, "mutations")
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| obj(obj(m)?.get("pk")?))
+        .any(|pk| pk.values().any(|k| k.as_str().is_none()))
+}
+
 /// An applied write as the ledger reported it.
 struct Applied {
     table_id: String,
@@ -125,6 +141,12 @@ pub fn check_push(
             if first == 400 && x.status == 400 {
                 stats.invalid += 1;
             }
+        }
+        if x.status != 400 && has_mistyped_key(&x.request) {
+            fail(format!(
+                "a key of the wrong type was answered {}, not refused whole",
+                x.status
+            ));
         }
         if x.status != 200 {
             continue;
@@ -361,6 +383,25 @@ mod tests {
         };
         let e = check_push(&[retry], &[], &[]).unwrap_err();
         assert!(e[0].contains("not a terminal invalid_request"), "{e:?}");
+    }
+
+    #[test]
+    fn a_mistyped_key_must_be_refused_whole() {
+        let req =
+            r#"{"batch_id":"b1","mutations":[{"mutation_id":"m1","op":"insert","pk":{"id":5}}]}"#;
+        let invalid = r#"{"error":{"code":"invalid_request","message":"m","retryable":false}}"#;
+        let refused = PushExchange {
+            status: 400,
+            ..exchange("c1", req, invalid)
+        };
+        assert!(check_push(&[refused], &[], &[]).is_ok());
+        // Coerced and judged per mutation: caught.
+        let judged = r#"{"accepted":[],"batch_id":"b1","rejected":[{"code":"validation_failed","mutation_id":"m1","status":"rejected_terminal"}]}"#;
+        let e = check_push(&[exchange("c1", req, judged)], &[], &[]).unwrap_err();
+        assert!(
+            e[0].contains("key of the wrong type was answered 200"),
+            "{e:?}"
+        );
     }
 
     fn resp(v: &str) -> String {

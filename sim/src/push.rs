@@ -56,6 +56,14 @@ pub struct PushScenario {
     pub fence_visibility_lag: Duration,
     /// A planted bug: fences are satisfied only where visible.
     pub plant_fences_by_visibility: bool,
+    /// A planted bug: the server reads a key of the wrong JSON type
+    /// leniently before the engine sees it (issue 29), so the batch gets
+    /// per-mutation outcomes instead of its `400`.
+    pub plant_coerced_keys: bool,
+    /// The share of sealed batches holding a key the server must refuse
+    /// whole (`400`): alternately a number for the string key and a key
+    /// no column keeps.
+    pub poisoned_share: f64,
 }
 
 impl Default for PushScenario {
@@ -68,6 +76,8 @@ impl Default for PushScenario {
             server_crashes: 4,
             fence_visibility_lag: Duration::from_secs(5),
             plant_fences_by_visibility: false,
+            plant_coerced_keys: false,
+            poisoned_share: 0.12,
         }
     }
 }
@@ -92,10 +102,11 @@ pub struct PushTrace {
 }
 
 /// The server node: the real engine; the first body byte names the endpoint.
-async fn server_main() {
-    crate::serve_engine(None, |engine, user, body| async move {
+async fn server_main(coerce_keys: bool) {
+    crate::serve_engine(None, move |engine, user, body| async move {
         match body.split_first() {
             Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
+            Some((_, body)) if coerce_keys => engine.push(&user, coerced(body), now_micros()).await,
             Some((_, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
             None => engine.push(&user, Vec::new(), now_micros()).await,
         }
@@ -103,12 +114,43 @@ async fn server_main() {
     .await;
 }
 
+/// The planted bug's request: every number key read leniently, as the
+/// UUID with that number (`notes.id` is a `uuid` column, so its bare text
+/// would still be refused by intake).
+fn coerced(body: &[u8]) -> Vec<u8> {
+    let Ok(Value::Object(mut request)) = json::parse(body) else {
+        return body.to_vec();
+    };
+    let Some(Value::Array(mutations)) = request.get_mut("mutations") else {
+        return body.to_vec();
+    };
+    for m in mutations {
+        let Value::Object(m) = m else { continue };
+        let Some(Value::Object(pk)) = m.get_mut("pk") else {
+            continue;
+        };
+        for key in pk.values_mut() {
+            if let Value::Number(n) = key {
+                let n = n.as_exact_i64().unwrap_or(0);
+                *key = Value::string(format!("00000000-0000-4000-8000-{n:012x}"));
+            }
+        }
+    }
+    json::to_canonical(&Value::Object(request))
+}
+
 fn text<'v>(v: &'v Value, member: &str) -> Option<&'v str> {
     v.as_object()?.get(member)?.as_str()
 }
 
 /// One client: connect, then sealed batches over its user's note pool.
-async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mutex<PushTrace>>) {
+async fn client_main(
+    index: usize,
+    user: String,
+    batches: usize,
+    poisoned_share: f64,
+    trace: Arc<Mutex<PushTrace>>,
+) {
     let mut link = Link::bind((index as u64) << 40).await;
     let client_id = format!("push-client-{index}");
     let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
@@ -136,6 +178,7 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
     let mut known: BTreeMap<String, String> = BTreeMap::new();
     let mut completed: Vec<Value> = Vec::new();
     let mut next_mutation = (index as u64) << 32;
+    let mut poisons = 0;
     for b in 0..batches {
         let mut rng = thread_rng();
         let atomic = rng.gen_bool(0.2);
@@ -179,21 +222,23 @@ async fn client_main(index: usize, user: String, batches: usize, trace: Arc<Mute
             };
             mutations.push(m);
         }
-        // Now and then a key no column can hold (U+0000): the sealed batch
+        // Now and then a key no column can hold (U+0000), or a key of the
+        // wrong JSON type (a number for the string key): the sealed batch
         // must get a terminal 400 on every try, never a 503 or a 200.
-        let poisoned = rng.gen_bool(0.08);
+        let poisoned = rng.gen_bool(poisoned_share);
         if poisoned {
             next_mutation += 1;
+            poisons += 1;
             let key = format!("{}\0", note_key(&user, 0));
             let title = json::object([("fld_notes_title", Value::string("poisoned"))]);
-            mutations.push(note_mutation(
-                next_mutation,
-                &key,
-                &schema,
-                "insert",
-                None,
-                Some(title),
-            ));
+            let mut m = note_mutation(next_mutation, &key, &schema, "insert", None, Some(title));
+            if poisons % 2 == 1
+                && let Value::Object(m) = &mut m
+                && let Some(Value::Object(pk)) = m.get_mut("pk")
+            {
+                pk.insert("fld_notes_id".into(), Value::int(5));
+            }
+            mutations.push(m);
         }
         let mut body = Object::new();
         body.insert("client_id".into(), Value::string(&client_id));
@@ -341,7 +386,10 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     if scenario.plant_fences_by_visibility {
         store.plant_fences_by_visibility().await;
     }
-    let database = crate::start_nodes(&store, scenario.packet_loss, server_main);
+    let coerce_keys = scenario.plant_coerced_keys;
+    let database = crate::start_nodes(&store, scenario.packet_loss, move || {
+        server_main(coerce_keys)
+    });
     let trace = Arc::new(Mutex::new(PushTrace::default()));
     let config = push_config();
     let target = actors::ledger::write_targets(&config).remove(0);
@@ -371,6 +419,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
             i,
             user,
             scenario.batches_per_client,
+            scenario.poisoned_share,
             trace.clone(),
         )));
     }

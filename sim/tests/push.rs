@@ -70,3 +70,26 @@ async fn a_fence_satisfied_only_where_visible_is_caught() {
         "the planted bug went unseen; reproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test push"
     );
 }
+
+/// The planted bug of issue 29: a key of the wrong JSON type read leniently
+/// (a number as the UUID with that number) gets per-mutation outcomes
+/// instead of the whole request's `400`.
+/// The push invariant catches it.
+#[madsim::test]
+async fn a_coerced_key_is_caught() {
+    let seed = madsim::runtime::Handle::current().seed();
+    let scenario = PushScenario {
+        plant_coerced_keys: true,
+        poisoned_share: 0.5,
+        ..PushScenario::default()
+    };
+    let trace = run_push(scenario).await.unwrap();
+    let violations =
+        invariants::push::check_push(&trace.exchanges, &trace.chains, &trace.direct).unwrap_err();
+    assert!(
+        violations
+            .iter()
+            .any(|v| v.contains("key of the wrong type")),
+        "the planted bug went unseen: {violations:?}; reproduce with: MADSIM_TEST_SEED={seed} RUSTFLAGS=\"--cfg madsim\" CARGO_TARGET_DIR=target/sim cargo test -p sim --test push"
+    );
+}
