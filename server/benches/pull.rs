@@ -265,7 +265,9 @@ async fn main() {
         })
         .unwrap(),
     );
-    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    let mut config = push_config();
+    config.limits = actors::testkit::benchmark_limits();
+    let engine = Engine::start(store.clone(), config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {

@@ -135,6 +135,7 @@ async fn main() {
     // Production capture settings (the suite's config polls every 20 ms).
     let mut config = push_config();
     config.capture = actors::config::CaptureConfig::default();
+    config.limits = actors::testkit::benchmark_limits();
     let engine = Engine::start(store.clone(), config).await.unwrap();
     let c = PushClient::connect(&engine, "bench", "bench-0").await;
     println!("{BATCH}-mutation batches, {ROUNDS} rounds each, one client:");

@@ -24,8 +24,8 @@ pub use pull::{
     origin_cursor, pull_note, pull_store_suite, pull_suite, pull_suite_via,
 };
 pub use push::{
-    NOW, NOW_TEXT, PushClient, batch_id, mutation, mutation_id, note_columns, note_id,
-    note_mutation, outcome, push_config, push_config_toml, push_store_suite, push_suite,
+    NOW, NOW_TEXT, PushClient, batch_id, benchmark_limits, mutation, mutation_id, note_columns,
+    note_id, note_mutation, outcome, push_config, push_config_toml, push_store_suite, push_suite,
     version_of,
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};

@@ -11,13 +11,25 @@ use protocol::manifest::Manifest;
 use super::capture::{CaptureWorld, Write};
 use super::{ConnectBody, example_config};
 use crate::Engine;
-use crate::config::SyncConfig;
+use crate::config::{LimitsConfig, SyncConfig};
 use crate::store::{Store, StoreTx};
 
 /// 2026-07-18T14:00:01Z, the spec example's server time.
 pub const NOW: i64 = 1_784_383_201_000_000;
 /// The server time of a push at [`NOW`].
 pub const NOW_TEXT: &str = "2026-07-18T14:00:01.000000Z";
+
+/// Admission limits that no benchmark reaches: a benchmark measures the
+/// path of one user at full speed, not admission (ADR 0015).
+pub fn benchmark_limits() -> LimitsConfig {
+    LimitsConfig {
+        requests_per_user_per_second: 1_000_000,
+        request_burst_per_user: 1_000_000,
+        mutations_per_user_per_second: 1_000_000_000,
+        mutation_burst_per_user: 1_000_000_000,
+        ..LimitsConfig::default()
+    }
+}
 
 /// The example config with writable template fields (a table without
 /// `deleted_at`, so deletes are hard) and short capture limits.
