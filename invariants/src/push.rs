@@ -62,7 +62,8 @@ pub struct PushStats {
     pub terminal: usize,
     pub atomic_rejections: usize,
     pub reused: usize,
-    /// Sealed batches answered `400 invalid_request` (a key no column keeps).
+    /// Sealed batches answered `400 invalid_request` (a key no column keeps,
+    /// or a key of the wrong JSON type).
     pub invalid: usize,
 }
 

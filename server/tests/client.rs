@@ -34,16 +34,7 @@ impl Drop for Server {
 }
 
 fn serve(dir: &Path) -> Server {
-    let (config, data) = (dir.join("config.toml"), dir.join("data"));
-    let args = [
-        "--listen".as_ref(),
-        "127.0.0.1:0".as_ref(),
-        "--config".as_ref(),
-        config.as_os_str(),
-        "--data-dir".as_ref(),
-        data.as_os_str(),
-    ];
-    let (child, addr) = common::spawn_serve(&args, Stdio::null());
+    let (child, addr) = common::serve_dir(dir, None, Stdio::null());
     Server { child, addr }
 }
 

@@ -18,16 +18,7 @@ mod common;
 
 /// `synchro serve` on its embedded cluster under `dir`, and its address.
 fn serve(dir: &Path) -> (Child, SocketAddr) {
-    let (config, data) = (dir.join("config.toml"), dir.join("data"));
-    let args = [
-        "--listen".as_ref(),
-        "127.0.0.1:0".as_ref(),
-        "--config".as_ref(),
-        config.as_os_str(),
-        "--data-dir".as_ref(),
-        data.as_os_str(),
-    ];
-    common::spawn_serve(&args, Stdio::piped())
+    common::serve_dir(dir, None, Stdio::piped())
 }
 
 fn setup() -> tempfile::TempDir {

@@ -58,18 +58,7 @@ impl Drop for Process {
 }
 
 fn serve(dir: &std::path::Path, url: &str) -> Process {
-    let (config, data) = (dir.join("config.toml"), dir.join("data"));
-    let args = [
-        "--listen".as_ref(),
-        "127.0.0.1:0".as_ref(),
-        "--database-url".as_ref(),
-        url.as_ref(),
-        "--config".as_ref(),
-        config.as_os_str(),
-        "--data-dir".as_ref(),
-        data.as_os_str(),
-    ];
-    let (child, addr) = common::spawn_serve(&args, Stdio::null());
+    let (child, addr) = common::serve_dir(dir, Some(url), Stdio::null());
     Process { child, addr }
 }
 

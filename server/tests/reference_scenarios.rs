@@ -107,31 +107,18 @@ struct Server {
 
 impl Server {
     fn start(dir: &Path, url: &str) -> Server {
-        let config = dir.join("config.toml");
-        let data = dir.join("data");
-        let args = [
-            "--listen".as_ref(),
-            "127.0.0.1:0".as_ref(),
-            "--database-url".as_ref(),
-            url.as_ref(),
-            "--config".as_ref(),
-            config.as_os_str(),
-            "--data-dir".as_ref(),
-            data.as_os_str(),
-        ];
-        let (child, addr) = common::spawn_serve(&args, Stdio::null());
+        let (child, addr) = common::serve_dir(dir, Some(url), Stdio::null());
         Server { child, addr }
     }
 
-    /// SIGTERM, and the exit status.
+    /// SIGTERM, and the exit status (the drop after it finds the
+    /// process already gone).
     fn stop(mut self) -> std::process::ExitStatus {
         Command::new("kill")
             .arg(self.child.id().to_string())
             .status()
             .unwrap();
-        let status = self.child.wait().unwrap();
-        std::mem::forget(self);
-        status
+        self.child.wait().unwrap()
     }
 
     async fn post(&self, user: &str, path: &str, body: &Value) -> (u16, Value) {

@@ -73,8 +73,7 @@ async fn a_fence_satisfied_only_where_visible_is_caught() {
 
 /// The planted bug of issue 29: a key of the wrong JSON type read leniently
 /// (a number as the UUID with that number) gets per-mutation outcomes
-/// instead of the whole request's `400`.
-/// The push invariant catches it.
+/// instead of the whole request's `400`. The push invariant catches it.
 #[madsim::test]
 async fn a_coerced_key_is_caught() {
     let seed = madsim::runtime::Handle::current().seed();

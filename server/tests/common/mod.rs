@@ -72,3 +72,26 @@ pub fn spawn_serve(
     std::thread::spawn(move || lines.for_each(drop));
     (child, addr)
 }
+
+/// `synchro serve` on loopback with `dir/config.toml` and `dir/data`: on
+/// `database_url` when given, else on its embedded cluster. Its address.
+#[allow(dead_code)] // not every test binary spawns the server
+pub fn serve_dir(
+    dir: &std::path::Path,
+    database_url: Option<&str>,
+    stderr: std::process::Stdio,
+) -> (std::process::Child, SocketAddr) {
+    use std::ffi::OsStr;
+    let (config, data) = (dir.join("config.toml"), dir.join("data"));
+    let mut args: Vec<&OsStr> = vec![OsStr::new("--listen"), OsStr::new("127.0.0.1:0")];
+    if let Some(url) = database_url {
+        args.extend([OsStr::new("--database-url"), OsStr::new(url)]);
+    }
+    args.extend([
+        OsStr::new("--config"),
+        config.as_os_str(),
+        OsStr::new("--data-dir"),
+        data.as_os_str(),
+    ]);
+    spawn_serve(&args, stderr)
+}
