@@ -489,6 +489,21 @@ async fn plain_stage(store: &PgStore, scope: &str) -> Duration {
     took
 }
 
+/// What the rebuild tables hold per staged row (every relation of them,
+/// indexes and TOAST included), and what the projections hold per row.
+async fn stored_bytes_per_row(store: &PgStore, staged: usize) -> (f64, f64) {
+    let (kept, projected, rows): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT coalesce(sum(pg_total_relation_size(to_regclass(t))), 0)::int8 \
+                 FROM unnest(ARRAY['synchro.rebuild_stage', 'synchro.rebuild_pages']) AS t), \
+                pg_total_relation_size('synchro.projections'), \
+                (SELECT count(*) FROM synchro.projections)",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    (kept as f64 / staged as f64, projected as f64 / rows as f64)
+}
+
 /// Staging and serving a scope over HTTP, against a plain `INSERT ...
 /// SELECT` of the same rows; and the server's peak memory staging a larger one.
 async fn rebuild_bench(
@@ -551,6 +566,7 @@ async fn rebuild_bench(
     let plain_after = plain_stage(store, "user:rebuild").await;
     let plain = (plain_before + plain_after) / 2;
     let first = first.unwrap();
+    let (kept, projected) = stored_bytes_per_row(store, rows).await;
     println!(
         "rebuild of {rows} rows at limit 1000 over HTTP: {:>7.0} ms  {:>7.0} rows/s",
         ms(total),
@@ -561,6 +577,11 @@ async fn rebuild_bench(
         ms(first),
         ms(plain),
         first.as_secs_f64() / plain.as_secs_f64()
+    );
+    println!(
+        "  kept for the session once every page was answered: {kept:>5.0} bytes per staged row; \
+         a projection {projected:>5.0} bytes per row: {:.2}x",
+        kept / projected
     );
 
     // Peak memory while staging a larger scope, of a `synchro serve`
