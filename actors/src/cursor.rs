@@ -209,7 +209,9 @@ pub fn judge_continuation(
     })
 }
 
-/// The continuation to `session`'s page at `next_row_ordinal`.
+/// The continuation to `session`'s page at `next_row_ordinal`: the
+/// session's bindings under its continuation key, issued at its creation.
+/// `None` when the ring no longer holds that key.
 pub fn continuation(
     keys: &KeyRing,
     ctx: &CursorContext<'_>,
@@ -217,26 +219,58 @@ pub fn continuation(
     next_row_ordinal: u64,
 ) -> Option<String> {
     let page_limit = PageLimit::new(session.page_limit)?;
-    Some(keys.issue_continuation(&ContinuationBindings {
-        scope: ScopeBindings {
-            stream_generation: session.stream_generation,
-            user_binding: user_binding(ctx.user_id),
-            client_binding: client_binding(ctx.user_id, ctx.client_id),
-            client_generation: session.client_generation,
-            scope_id: session.scope.as_str().to_owned(),
-            schema_hash: session.schema_hash,
-            membership_generation: session.membership_generation,
-            retention_generation: session.retention_generation,
-            issued_at: ctx.now_micros,
+    keys.issue_continuation_under(
+        &session.continuation_key_id,
+        &ContinuationBindings {
+            scope: session_scope(ctx, session),
+            session_id: session.session_id,
+            rebuild_id: session.rebuild_id,
+            snapshot_boundary: session.boundary,
+            next_row_ordinal,
+            page_limit,
+            accepted_write_epoch: session.accepted_write_epoch,
+            expires_at: session.expires_at,
         },
-        session_id: session.session_id,
-        rebuild_id: session.rebuild_id,
-        snapshot_boundary: session.boundary,
-        next_row_ordinal,
-        page_limit,
-        accepted_write_epoch: session.accepted_write_epoch,
-        expires_at: session.expires_at,
-    }))
+    )
+}
+
+/// The final page's cursor at the session's boundary: every binding the
+/// session's, under its cursor key, issued at its creation, so that the
+/// final page is the same bytes whenever it is rendered. `None` when the
+/// ring no longer holds the session's key.
+pub fn final_cursor(
+    keys: &KeyRing,
+    ctx: &CursorContext<'_>,
+    session: &RebuildSession,
+) -> Option<String> {
+    let position = StreamPosition::from(session.boundary);
+    assert!(
+        position <= StreamPosition::from(ctx.boundary),
+        "a cursor never passes the boundary"
+    );
+    keys.issue_cursor_under(
+        &session.cursor_key_id,
+        &CursorBindings {
+            scope: session_scope(ctx, session),
+            position,
+        },
+    )
+}
+
+/// The scope bindings of a session's tokens: the session's own, issued at
+/// its creation.
+fn session_scope(ctx: &CursorContext<'_>, session: &RebuildSession) -> ScopeBindings {
+    ScopeBindings {
+        stream_generation: session.stream_generation,
+        user_binding: user_binding(ctx.user_id),
+        client_binding: client_binding(ctx.user_id, ctx.client_id),
+        client_generation: session.client_generation,
+        scope_id: session.scope.as_str().to_owned(),
+        schema_hash: session.schema_hash,
+        membership_generation: session.membership_generation,
+        retention_generation: session.retention_generation,
+        issued_at: session.issued_at(),
+    }
 }
 
 #[cfg(test)]

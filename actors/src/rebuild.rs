@@ -1,12 +1,13 @@
 //! `/sync/rebuild` (wire spec "Rebuild", ADR 003 "Rebuild contract"): one
 //! assigned scope served from one immutable staged snapshot, page by page,
-//! each page stored and replayed byte for byte.
+//! each page rendered from the stage and the session alone, so that a
+//! replay is the same bytes (ADR 0017).
 //!
 //! `Rebuilder::rebuild_once` is the whole dispatch, in the spec's order:
 //! bind, the boundary, structure, retirement, the generation and schema
 //! gates, the continuation, admission, the capture gates, then the first
 //! page (a new or reused session) or the continued one. A rebuild writes
-//! only its own session, stage and pages: never a checkpoint, an
+//! only its own session and stage: never a checkpoint, an
 //! assignment, or another scope's state. A background task sweeps expired
 //! sessions.
 
@@ -17,7 +18,7 @@ use protocol::error::{ErrorKind, ProtocolError};
 use protocol::ids::CanonicalUuid;
 use protocol::json::Canonical;
 use protocol::manifest::Manifest;
-use protocol::position::StreamPosition;
+use protocol::token::{KeyRing, TokenKind};
 use protocol::wire::rebuild::{RebuildEnd, RebuildPage, RebuildRequest, Record};
 use protocol::wire::{PageRow, PrimaryKey};
 use tokio::sync::watch;
@@ -146,6 +147,7 @@ impl<S: Store> Rebuilder<S> {
             Asked::First => {
                 let context = SessionContext {
                     ctx: &ctx,
+                    keys: self.registry.keys(),
                     client: &client,
                     req: &req,
                     membership_generation,
@@ -183,7 +185,7 @@ impl<S: Store> Rebuilder<S> {
             }
         };
         let body = self
-            .page(&mut tx, &ctx, &current, &session, ordinal)
+            .page(&mut tx, &ctx, &current, &session, &req, ordinal)
             .await?;
         tx.commit().await?;
         Ok(body)
@@ -314,19 +316,19 @@ impl<S: Store> Rebuilder<S> {
         Ok((session, rows))
     }
 
-    /// The session's page at `ordinal`: the stored one, or built from the
-    /// stage and stored.
+    /// The session's page at `ordinal`, rendered from its stage and its
+    /// own bindings only (never the request's time or the live rows), so
+    /// that every replay is the same bytes. A session whose token keys
+    /// the ring no longer holds cannot render the same bytes: 409.
     async fn page(
         &self,
         tx: &mut S::Tx,
         ctx: &CursorContext<'_>,
         current: &Manifest,
         session: &RebuildSession,
+        req: &RebuildRequest,
         ordinal: u64,
     ) -> Result<Vec<u8>, Failure> {
-        if let Some(body) = tx.rebuild_page(&session.session_id, ordinal).await? {
-            return Ok(body);
-        }
         let limit = usize::from(session.page_limit);
         let rows = tx
             .staged_rows(&session.session_id, ordinal, limit + 1)
@@ -349,31 +351,23 @@ impl<S: Store> Rebuilder<S> {
             let next = ordinal + limit as u64;
             RebuildEnd::More {
                 cursor: cursor::continuation(keys, ctx, session, next)
-                    .ok_or_else(|| StoreError::Integrity("a session's page limit".into()))?,
+                    .ok_or_else(|| restart(req))?,
             }
         } else {
             RebuildEnd::Final {
-                final_scope_cursor: cursor::issue(
-                    keys,
-                    ctx,
-                    &session.scope,
-                    session.membership_generation,
-                    StreamPosition::from(session.boundary),
-                ),
+                final_scope_cursor: cursor::final_cursor(keys, ctx, session)
+                    .ok_or_else(|| restart(req))?,
                 checksum: session
                     .digest
                     .ok_or_else(|| StoreError::Integrity("an unsealed session".into()))?,
             }
         };
-        let body = RebuildPage {
+        Ok(RebuildPage {
             scope: session.scope.clone(),
             records,
             end,
         }
-        .to_body();
-        tx.put_rebuild_page(&session.session_id, ordinal, &body)
-            .await?;
-        Ok(body)
+        .to_body())
     }
 }
 
@@ -381,6 +375,7 @@ impl<S: Store> Rebuilder<S> {
 /// reused one in.
 struct SessionContext<'a> {
     ctx: &'a CursorContext<'a>,
+    keys: &'a KeyRing,
     client: &'a ClientRecord,
     req: &'a RebuildRequest,
     membership_generation: u64,
@@ -404,6 +399,13 @@ impl SessionContext<'_> {
             page_limit: self.req.limit.get(),
             expires_at: self.ctx.now_micros.saturating_add(SESSION_LIFETIME_MICROS),
             digest: None,
+            cursor_key_id: self
+                .keys
+                .active_key_id(TokenKind::IncrementalCursor)
+                .to_owned(),
+            continuation_key_id: (self.keys)
+                .active_key_id(TokenKind::RebuildContinuation)
+                .to_owned(),
         }
     }
 

@@ -1,7 +1,9 @@
 //! What a rebuild keeps (wire spec "Rebuild", ADR 003 "Durable immutable
 //! staged rebuild snapshot"): a session bound to one exact rebuild
-//! identity and context, its staged rows in row-identity order, and the
-//! pages it has answered. Data only; the rebuild actor decides.
+//! identity and context, and its staged rows in row-identity order. Its
+//! pages are not kept: each is rendered from the stage and the session
+//! alone, the same bytes every time (ADR 0017). Data only; the rebuild
+//! actor decides.
 
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId, ServerVersion};
@@ -33,6 +35,19 @@ pub struct RebuildSession {
     pub expires_at: i64,
     /// The digest of the staged scope, once staging completed.
     pub digest: Option<Digest>,
+    /// The keys every page's tokens are issued under: the active ones when
+    /// the session was created, so that a page renders the same bytes
+    /// after the ring rotates.
+    pub cursor_key_id: String,
+    pub continuation_key_id: String,
+}
+
+impl RebuildSession {
+    /// When the session was created: the `issued_at` of every token its
+    /// pages carry, however late a page is first answered or replayed.
+    pub fn issued_at(&self) -> i64 {
+        self.expires_at.saturating_sub(SESSION_LIFETIME_MICROS)
+    }
 }
 
 /// One staged row, at its place in the stage's row-identity order.

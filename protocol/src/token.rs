@@ -191,38 +191,45 @@ impl KeyRing {
             .expect("KeyRing::new proved exactly one active key per kind")
     }
 
+    /// The ID of the key that issues new tokens of `kind`.
+    pub fn active_key_id(&self, kind: TokenKind) -> &str {
+        &self.active(kind).key_id
+    }
+
+    /// The ring's key of `kind` named `key_id`, active or verify-only.
+    fn named(&self, kind: TokenKind, key_id: &str) -> Option<&TokenKey> {
+        self.keys
+            .iter()
+            .find(|k| k.kind == kind && k.key_id == key_id)
+    }
+
     /// Issues an incremental cursor under the active cursor key.
     pub fn issue_cursor(&self, b: &CursorBindings) -> String {
-        let key = self.active(TokenKind::IncrementalCursor);
-        let mut o = common_payload(TokenKind::IncrementalCursor, key);
-        put_position(&mut o, &b.position);
-        put_scope(&mut o, &b.scope);
-        seal(TokenKind::IncrementalCursor, key, &Value::Object(o))
+        cursor_token(self.active(TokenKind::IncrementalCursor), b)
+    }
+
+    /// Issues an incremental cursor under the named cursor key, active or
+    /// verify-only: the same bytes every time for the same bindings.
+    /// `None` when the ring no longer holds that key.
+    pub fn issue_cursor_under(&self, key_id: &str, b: &CursorBindings) -> Option<String> {
+        let key = self.named(TokenKind::IncrementalCursor, key_id)?;
+        Some(cursor_token(key, b))
     }
 
     /// Issues a rebuild continuation under the active continuation key.
     pub fn issue_continuation(&self, b: &ContinuationBindings) -> String {
-        let key = self.active(TokenKind::RebuildContinuation);
-        let mut o = common_payload(TokenKind::RebuildContinuation, key);
-        put_scope(&mut o, &b.scope);
-        o.insert("session_id".into(), Value::string(b.session_id.to_string()));
-        o.insert("rebuild_id".into(), Value::string(b.rebuild_id.to_string()));
-        let (kind, lsn) = match b.snapshot_boundary {
-            Boundary::GenerationStart => ("generation_start", None),
-            Boundary::TransactionEnd { commit_lsn } => ("transaction_end", Some(commit_lsn)),
-        };
-        o.insert("snapshot_boundary_kind".into(), Value::string(kind));
-        if let Some(lsn) = lsn {
-            o.insert("snapshot_commit_lsn".into(), counter(lsn));
-        }
-        o.insert("next_row_ordinal".into(), counter(b.next_row_ordinal));
-        o.insert("page_limit".into(), Value::int(b.page_limit.get() as i64));
-        o.insert(
-            "accepted_write_epoch".into(),
-            counter(b.accepted_write_epoch),
-        );
-        o.insert("expires_at".into(), Value::string(b.expires_at.to_string()));
-        seal(TokenKind::RebuildContinuation, key, &Value::Object(o))
+        continuation_token(self.active(TokenKind::RebuildContinuation), b)
+    }
+
+    /// Issues a rebuild continuation under the named continuation key,
+    /// active or verify-only; `None` when the ring no longer holds it.
+    pub fn issue_continuation_under(
+        &self,
+        key_id: &str,
+        b: &ContinuationBindings,
+    ) -> Option<String> {
+        let key = self.named(TokenKind::RebuildContinuation, key_id)?;
+        Some(continuation_token(key, b))
     }
 
     /// Authenticates an incremental cursor and returns its bindings.
@@ -338,6 +345,38 @@ fn decode_b64(s: &str) -> Result<Vec<u8>, Forged> {
         return Err(Forged);
     }
     Ok(bytes)
+}
+
+/// An incremental cursor under `key`.
+fn cursor_token(key: &TokenKey, b: &CursorBindings) -> String {
+    let mut o = common_payload(TokenKind::IncrementalCursor, key);
+    put_position(&mut o, &b.position);
+    put_scope(&mut o, &b.scope);
+    seal(TokenKind::IncrementalCursor, key, &Value::Object(o))
+}
+
+/// A rebuild continuation under `key`.
+fn continuation_token(key: &TokenKey, b: &ContinuationBindings) -> String {
+    let mut o = common_payload(TokenKind::RebuildContinuation, key);
+    put_scope(&mut o, &b.scope);
+    o.insert("session_id".into(), Value::string(b.session_id.to_string()));
+    o.insert("rebuild_id".into(), Value::string(b.rebuild_id.to_string()));
+    let (kind, lsn) = match b.snapshot_boundary {
+        Boundary::GenerationStart => ("generation_start", None),
+        Boundary::TransactionEnd { commit_lsn } => ("transaction_end", Some(commit_lsn)),
+    };
+    o.insert("snapshot_boundary_kind".into(), Value::string(kind));
+    if let Some(lsn) = lsn {
+        o.insert("snapshot_commit_lsn".into(), counter(lsn));
+    }
+    o.insert("next_row_ordinal".into(), counter(b.next_row_ordinal));
+    o.insert("page_limit".into(), Value::int(b.page_limit.get() as i64));
+    o.insert(
+        "accepted_write_epoch".into(),
+        counter(b.accepted_write_epoch),
+    );
+    o.insert("expires_at".into(), Value::string(b.expires_at.to_string()));
+    seal(TokenKind::RebuildContinuation, key, &Value::Object(o))
 }
 
 #[allow(clippy::expect_used)]

@@ -187,6 +187,34 @@ fn verify_only_keys_still_verify_after_rotation() {
 }
 
 #[test]
+fn a_named_key_issues_the_same_bytes_after_rotation() {
+    let old = KeyRing::new(vec![
+        key("c1", TokenKind::IncrementalCursor, KeyState::Active, 1),
+        key("r1", TokenKind::RebuildContinuation, KeyState::Active, 3),
+    ])
+    .unwrap();
+    let rotated = ring(); // c1 verify-only, c2 active
+    assert_eq!(old.active_key_id(TokenKind::IncrementalCursor), "c1");
+    assert_eq!(rotated.active_key_id(TokenKind::IncrementalCursor), "c2");
+    // Under a verify-only key: the bytes the key issued while active.
+    assert_eq!(
+        rotated.issue_cursor_under("c1", &cursor()),
+        Some(old.issue_cursor(&cursor()))
+    );
+    assert_eq!(
+        rotated.issue_continuation_under("r1", &continuation()),
+        Some(old.issue_continuation(&continuation()))
+    );
+    // A key the ring no longer holds, or one of the other kind, issues nothing.
+    assert_eq!(rotated.issue_cursor_under("c0", &cursor()), None);
+    assert_eq!(rotated.issue_cursor_under("r1", &cursor()), None);
+    assert_eq!(
+        rotated.issue_continuation_under("c2", &continuation()),
+        None
+    );
+}
+
+#[test]
 fn key_ring_rules() {
     let c = |id: &str, s| key(id, TokenKind::IncrementalCursor, s, 1);
     let r = |id: &str, s| key(id, TokenKind::RebuildContinuation, s, 1);

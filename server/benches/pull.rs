@@ -462,11 +462,13 @@ async fn insert_many(store: &PgStore, owner: &str, from: usize, rows: usize) {
 }
 
 /// The plain `INSERT ... SELECT` of a scope's staged columns into a table
-/// like the stage, rolled back.
+/// of one row per staged row, rolled back.
 async fn plain_stage(store: &PgStore, scope: &str) -> Duration {
     let mut tx = store.pool().begin().await.unwrap();
     sqlx::query(
-        "CREATE TEMP TABLE plain_stage (LIKE synchro.rebuild_stage INCLUDING ALL) ON COMMIT DROP",
+        "CREATE TEMP TABLE plain_stage (session_id uuid, ordinal bigint, table_id text, \
+         identity bytea, row_json text, version text, digest bytea, \
+         PRIMARY KEY (session_id, ordinal)) ON COMMIT DROP",
     )
     .execute(&mut *tx)
     .await

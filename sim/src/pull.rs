@@ -60,6 +60,9 @@ pub enum Mutant {
     /// After a stream reset, a pull judges a cursor of the old generation
     /// current and continues from its position with a new one.
     CrossGeneration,
+    /// The store renders rebuild pages from the rows as they are now, not
+    /// as staged (ADR 0017): in the store, so every client's pages.
+    LivePages,
 }
 
 /// Knobs of one pull run.
@@ -621,7 +624,7 @@ async fn mutate(
         _ => return None,
     };
     match m {
-        Mutant::DropRecord => return None,
+        Mutant::DropRecord | Mutant::LivePages => return None,
         Mutant::CrossGeneration => {
             let current = {
                 let mut tx = store.begin().await.ok()?;
@@ -1042,6 +1045,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
         .map_err(|e| e.to_string())?;
     seed_templates(&store).await?;
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    if scenario.mutant == Some(Mutant::LivePages) {
+        store.plant_live_rebuild_pages().await;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone(), None));
@@ -1065,8 +1071,10 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             .name(format!("client-{i}"))
             .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
             .build();
-        // The mutant lives in one client.
-        let mutant = if i == 0 { scenario.mutant } else { None };
+        // The mutant lives in one client (the store's in the store).
+        let mutant = scenario
+            .mutant
+            .filter(|m| i == 0 && *m != Mutant::LivePages);
         tasks.push(node.spawn(client_main(
             i,
             user,
@@ -1124,6 +1132,10 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
         }
     }
     let mut t = trace.lock().expect("trace").clone();
+    // The store's bug has its chance on every rebuild page rendered.
+    if scenario.mutant == Some(Mutant::LivePages) {
+        t.mutated = t.rebuild_pages > 0;
+    }
     if let Err(v) = invariants::pull::check_checkpoints(&t.checkpoints) {
         t.violations.push(v);
     }

@@ -98,8 +98,6 @@ enum Op {
     RebuildUsage(String, i64),
     SealRebuildSession(CanonicalUuid, Digest),
     StagedRows(CanonicalUuid, u64, usize),
-    RebuildPage(CanonicalUuid, u64),
-    PutRebuildPage(CanonicalUuid, u64, Vec<u8>),
     SweepRebuildSessions(i64, usize),
     ForgetRebuildSessions(i64, usize),
     PushLedger(String, String, CanonicalUuid, Vec<CanonicalUuid>),
@@ -139,7 +137,6 @@ enum Answer {
     Count(Result<u64, StoreError>),
     Usage(Result<RebuildUsage, StoreError>),
     Staged(Result<Vec<StagedRow>, StoreError>),
-    Page(Result<Option<Vec<u8>>, StoreError>),
     Ledger(Result<LedgerEntries, StoreError>),
     Found(Result<Vec<FoundRow>, StoreError>),
     Written(Result<WriteResult, StoreError>),
@@ -495,10 +492,6 @@ async fn transaction(
             Op::StagedRows(id, from, max) => {
                 (Answer::Staged(tx.staged_rows(&id, from, max).await), false)
             }
-            Op::RebuildPage(id, o) => (Answer::Page(tx.rebuild_page(&id, o).await), false),
-            Op::PutRebuildPage(id, o, b) => {
-                (Answer::Unit(tx.put_rebuild_page(&id, o, &b).await), false)
-            }
             Op::SweepRebuildSessions(now, max) => (
                 Answer::Count(tx.sweep_rebuild_sessions(now, max).await),
                 false,
@@ -781,8 +774,9 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
         // The stage is written in this transaction; reading its digest back
         // is the first step of sealing it.
         Op::StagedDigests(_, 0, _) => Some(CrashPoint::MidStaging),
-        Op::PutRebuildPage(_, 0, _) => Some(CrashPoint::FirstPage),
-        Op::PutRebuildPage(..) => Some(CrashPoint::LaterPage),
+        // A page is rendered from the rows it reads.
+        Op::StagedRows(_, 0, _) => Some(CrashPoint::FirstPage),
+        Op::StagedRows(..) => Some(CrashPoint::LaterPage),
         Op::CompleteBaseline(_) => Some(CrashPoint::MidBaseline),
         Op::RecordPush(_) => Some(CrashPoint::MidPush),
         Op::PutCheckpoints(..) => Some(CrashPoint::MidPull),
@@ -1288,17 +1282,6 @@ impl StoreTx for RemoteTx {
         }
     }
 
-    async fn rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        match self.call(Op::RebuildPage(*session_id, ordinal)).await? {
-            Answer::Page(r) => r,
-            _ => Err(mismatch()),
-        }
-    }
-
     async fn sweep_rebuild_sessions(
         &mut self,
         now_micros: i64,
@@ -1320,21 +1303,6 @@ impl StoreTx for RemoteTx {
             .await?
         {
             Answer::Count(r) => r,
-            _ => Err(mismatch()),
-        }
-    }
-
-    async fn put_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> Result<(), StoreError> {
-        match self
-            .call(Op::PutRebuildPage(*session_id, ordinal, body.to_vec()))
-            .await?
-        {
-            Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
     }

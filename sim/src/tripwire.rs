@@ -24,9 +24,9 @@ pub enum CrashPoint {
     /// A new rebuild session's rows are staged; its digest is not yet read
     /// back, and the session is neither sealed nor committed.
     MidStaging,
-    /// A rebuild's first page is built and about to be stored.
+    /// A rebuild's first page is about to be rendered from its stage.
     FirstPage,
-    /// A continued rebuild's page is built and about to be stored.
+    /// A continued rebuild's page is about to be rendered from its stage.
     LaterPage,
     /// Every chunk of the baseline is written; the transaction is about to
     /// record it complete and commit (ADR 0011).

@@ -113,6 +113,15 @@ async fn a_rebuild_page_that_loses_a_record_is_caught() {
     .await;
 }
 
+#[madsim::test]
+async fn a_rebuild_page_rendered_from_live_rows_is_caught() {
+    caught(
+        Mutant::LivePages,
+        "a_rebuild_page_rendered_from_live_rows_is_caught",
+    )
+    .await;
+}
+
 /// Mid-run the slot is lost and an operator resets the stream (ADR 0012)
 /// while clients pull, push and rebuild, the server crashes and links
 /// lose messages: every client converges to the server's projection,

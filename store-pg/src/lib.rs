@@ -538,14 +538,6 @@ impl StoreTx for PgTx {
         self.read_rebuild_usage(user_id, now_micros).await
     }
 
-    async fn rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        self.read_rebuild_page(session_id, ordinal).await
-    }
-
     async fn sweep_rebuild_sessions(
         &mut self,
         now_micros: i64,
@@ -560,15 +552,6 @@ impl StoreTx for PgTx {
         max: usize,
     ) -> Result<u64, StoreError> {
         self.write_forget(expired_before, max).await
-    }
-
-    async fn put_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> Result<(), StoreError> {
-        self.write_rebuild_page(session_id, ordinal, body).await
     }
 
     async fn stream_state(&mut self) -> Result<StreamState, StoreError> {

@@ -288,7 +288,7 @@ impl PgTx {
         for sql in [
             "TRUNCATE synchro.scope_effects, synchro.projections, synchro.scope_members, \
              synchro.dependency_rows, synchro.source_transactions, synchro.client_checkpoints, \
-             synchro.rebuild_pages, synchro.rebuild_stage, synchro.rebuild_sessions",
+             synchro.rebuild_stage, synchro.rebuild_sessions",
             "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
              quarantine_lsn = NULL, quarantine_class = NULL",
             "UPDATE synchro.capture_slot SET baseline_done = false",

@@ -1,6 +1,7 @@
-//! Rebuild sessions on PostgreSQL: a session row, its stage written by one
-//! `INSERT ... SELECT` from the membership index and the projections in the
-//! caller's snapshot (never through the server's memory), and its pages.
+//! Rebuild sessions on PostgreSQL: a session row, and its stage written by
+//! one `INSERT ... SELECT` from the membership index and the projections in
+//! the caller's snapshot (never through the server's memory), in blocks of
+//! consecutive ordinals whose arrays PostgreSQL compresses (migration 0019).
 
 use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
 use actors::store::StoreError;
@@ -16,7 +17,18 @@ use crate::{PgTx, db_error};
 
 const SESSION_COLUMNS: &str = "session_id::text, client_id, rebuild_id::text, scope_id, \
      client_generation, schema_hash, stream_generation, membership_generation, \
-     retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at, digest";
+     retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at, digest, \
+     cursor_key_id, continuation_key_id";
+
+/// Staged rows per block: a page of the largest limit (1000) reads five
+/// blocks, one of limit 1 decompresses one.
+const BLOCK_ROWS: i64 = 256;
+
+/// The blocks of session `$1` that hold ordinals `$2` to `$2 + $3 - 1` (a
+/// query unnests them and keeps the rows it needs).
+const PAGE_BLOCKS: &str = "b.session_id = $1::uuid AND b.first_ordinal <= $2 + $3 - 1 \
+     AND b.first_ordinal >= coalesce((SELECT max(first_ordinal) FROM synchro.rebuild_stage \
+     WHERE session_id = $1::uuid AND first_ordinal <= $2), 0)";
 
 /// Inserts conflict only with a concurrent request of the same attempt
 /// (`ON CONFLICT DO NOTHING` in a repeatable-read snapshot raises a
@@ -61,6 +73,8 @@ fn session(r: &PgRow) -> Result<RebuildSession, StoreError> {
         page_limit: u16::try_from(limit).map_err(|_| integrity("page limit"))?,
         expires_at: r.try_get(12).map_err(get)?,
         digest: sealed.map(digest).transpose()?,
+        cursor_key_id: r.try_get(14).map_err(get)?,
+        continuation_key_id: r.try_get(15).map_err(get)?,
     })
 }
 
@@ -89,8 +103,8 @@ impl PgTx {
         s: &RebuildSession,
         digests: &[(RowIdentity, Digest)],
     ) -> Result<u64, StoreError> {
-        // A new session of the same attempt replaces the old one, its
-        // stage and pages (cascade).
+        // A new session of the same attempt replaces the old one and its
+        // stage (cascade).
         sqlx::query(
             "DELETE FROM synchro.rebuild_sessions WHERE client_id = $1 AND rebuild_id = $2::uuid",
         )
@@ -106,8 +120,9 @@ impl PgTx {
         let done_session = sqlx::query(
             "INSERT INTO synchro.rebuild_sessions (session_id, client_id, rebuild_id, scope_id, \
              client_generation, schema_hash, stream_generation, membership_generation, \
-             retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at) \
-             VALUES ($1::uuid, $2, $3::uuid, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+             retention_generation, accepted_write_epoch, boundary_lsn, page_limit, expires_at, \
+             cursor_key_id, continuation_key_id) \
+             VALUES ($1::uuid, $2, $3::uuid, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
              ON CONFLICT DO NOTHING",
         )
         .bind(s.session_id.to_string())
@@ -123,22 +138,30 @@ impl PgTx {
         .bind(boundary)
         .bind(i16::try_from(s.page_limit).map_err(|_| integrity("page limit"))?)
         .bind(s.expires_at)
+        .bind(&s.cursor_key_id)
+        .bind(&s.continuation_key_id)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
         inserted_once(done_session, "a rebuild session created twice")?;
         // The stage, inside the database: every member in identity order,
         // with its projection (a member without one fails the join's count
-        // below) and its digest, or the one the caller recomputed.
-        let staged = sqlx::query(
+        // below) and its digest, or the one the caller recomputed; in
+        // blocks of consecutive ordinals.
+        let blocks: Vec<i32> = sqlx::query_scalar(
             "INSERT INTO synchro.rebuild_stage \
-             (session_id, ordinal, table_id, identity, row_json, version, digest) \
-             SELECT $1::uuid, row_number() OVER (ORDER BY m.identity) - 1, p.table_id, \
-             p.identity, p.row_json, p.version, COALESCE(o.d, p.digest) \
-             FROM synchro.scope_members m \
-             JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
-             LEFT JOIN UNNEST($3::bytea[], $4::bytea[]) AS o(i, d) ON o.i = m.identity \
-             WHERE m.scope_id = $2",
+             (session_id, first_ordinal, rows, table_ids, identities, row_texts, versions, digests) \
+             SELECT $1::uuid, min(s.ordinal), count(*)::int4, \
+             array_agg(s.table_id ORDER BY s.ordinal), array_agg(s.identity ORDER BY s.ordinal), \
+             array_agg(s.row_json ORDER BY s.ordinal), array_agg(s.version ORDER BY s.ordinal), \
+             array_agg(s.digest ORDER BY s.ordinal) \
+             FROM (SELECT row_number() OVER (ORDER BY m.identity) - 1 AS ordinal, p.table_id, \
+                   p.identity, p.row_json, p.version, COALESCE(r.d, p.digest) AS digest \
+                   FROM synchro.scope_members m \
+                   JOIN synchro.projections p ON p.table_id = m.table_id AND p.identity = m.identity \
+                   LEFT JOIN UNNEST($3::bytea[], $4::bytea[]) AS r(i, d) ON r.i = m.identity \
+                   WHERE m.scope_id = $2) s \
+             GROUP BY s.ordinal / $5 RETURNING rows",
         )
         .bind(s.session_id.to_string())
         .bind(s.scope.as_str())
@@ -154,10 +177,15 @@ impl PgTx {
                 .map(|(_, d)| d.0.to_vec())
                 .collect::<Vec<_>>(),
         )
-        .execute(&mut *self.tx)
+        .bind(BLOCK_ROWS)
+        .fetch_all(&mut *self.tx)
         .await
-        .map_err(db_error)?
-        .rows_affected();
+        .map_err(db_error)?;
+        assert!(
+            blocks.iter().all(|&n| n > 0 && i64::from(n) <= BLOCK_ROWS),
+            "a block holds 1 to BLOCK_ROWS rows"
+        );
+        let staged = blocks.iter().map(|&n| n as u64).sum::<u64>();
         let members: i64 =
             sqlx::query_scalar("SELECT count(*) FROM synchro.scope_members WHERE scope_id = $1")
                 .bind(s.scope.as_str())
@@ -184,10 +212,14 @@ impl PgTx {
         from: u64,
         max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
-        sqlx::query(
-            "SELECT identity, digest FROM synchro.rebuild_stage \
-             WHERE session_id = $1::uuid AND ordinal >= $2 ORDER BY ordinal LIMIT $3",
-        )
+        // Only the identities' and digests' arrays are read: each column
+        // is stored apart, so the row texts are not decompressed.
+        sqlx::query(&format!(
+            "SELECT u.identity, u.digest FROM synchro.rebuild_stage b, \
+             unnest(b.identities, b.digests) WITH ORDINALITY AS u(identity, digest, i) \
+             WHERE {PAGE_BLOCKS} AND b.first_ordinal + u.i - 1 >= $2 \
+             ORDER BY b.first_ordinal, u.i LIMIT $3"
+        ))
         .bind(session_id.to_string())
         .bind(to_i64(from)?)
         .bind(i64::try_from(max).map_err(|_| integrity("row count"))?)
@@ -224,11 +256,14 @@ impl PgTx {
         from: u64,
         max: usize,
     ) -> Result<Vec<StagedRow>, StoreError> {
-        sqlx::query(
-            "SELECT ordinal, table_id, identity, row_json, version, digest \
-             FROM synchro.rebuild_stage WHERE session_id = $1::uuid AND ordinal >= $2 \
-             ORDER BY ordinal LIMIT $3",
-        )
+        sqlx::query(&format!(
+            "SELECT b.first_ordinal + u.i - 1, u.table_id, u.identity, u.row_text, u.version, \
+             u.digest FROM synchro.rebuild_stage b, \
+             unnest(b.table_ids, b.identities, b.row_texts, b.versions, b.digests) \
+             WITH ORDINALITY AS u(table_id, identity, row_text, version, digest, i) \
+             WHERE {PAGE_BLOCKS} AND b.first_ordinal + u.i - 1 >= $2 \
+             ORDER BY b.first_ordinal, u.i LIMIT $3"
+        ))
         .bind(session_id.to_string())
         .bind(to_i64(from)?)
         .bind(i64::try_from(max).map_err(|_| integrity("row count"))?)
@@ -249,40 +284,6 @@ impl PgTx {
             })
         })
         .collect()
-    }
-
-    pub(crate) async fn read_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        sqlx::query_scalar(
-            "SELECT body FROM synchro.rebuild_pages WHERE session_id = $1::uuid AND ordinal = $2",
-        )
-        .bind(session_id.to_string())
-        .bind(to_i64(ordinal)?)
-        .fetch_optional(&mut *self.tx)
-        .await
-        .map_err(db_error)
-    }
-
-    pub(crate) async fn write_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "INSERT INTO synchro.rebuild_pages (session_id, ordinal, body) \
-             VALUES ($1::uuid, $2, $3) ON CONFLICT DO NOTHING",
-        )
-        .bind(session_id.to_string())
-        .bind(to_i64(ordinal)?)
-        .bind(body)
-        .execute(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        inserted_once(done, "a rebuild page stored twice")
     }
 
     pub(crate) async fn write_supersede(
@@ -348,17 +349,13 @@ impl PgTx {
         Ok(swept.len() as u64)
     }
 
-    /// Deletes the stages and pages of these sessions (their rows stay).
+    /// Deletes the stages of these sessions (their rows stay).
     async fn delete_stages(&mut self, sessions: &[String]) -> Result<(), StoreError> {
-        for table in ["rebuild_stage", "rebuild_pages"] {
-            sqlx::query(&format!(
-                "DELETE FROM synchro.{table} WHERE session_id = ANY($1::uuid[])"
-            ))
+        sqlx::query("DELETE FROM synchro.rebuild_stage WHERE session_id = ANY($1::uuid[])")
             .bind(sessions)
             .execute(&mut *self.tx)
             .await
             .map_err(db_error)?;
-        }
         Ok(())
     }
 

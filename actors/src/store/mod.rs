@@ -387,24 +387,7 @@ pub trait StoreTx: Send {
         max: usize,
     ) -> impl Future<Output = Result<Vec<StagedRow>, StoreError>> + Send;
 
-    /// The stored body of the session's page that starts at `ordinal`.
-    fn rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-    ) -> impl Future<Output = Result<Option<Vec<u8>>, StoreError>> + Send;
-
-    /// Stores the body of the session's page that starts at `ordinal`. A
-    /// page a concurrent request stored is `Unavailable` (the retry replays
-    /// it); one this snapshot holds already, an integrity failure.
-    fn put_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// Deletes the stages and pages of at most `max` sessions that expired
+    /// Deletes the stages of at most `max` sessions that expired
     /// at or before `now_micros` and still hold them; how many it swept.
     /// The session rows stay, so that their `rebuild_id` is still answered
     /// with 409.

@@ -1,4 +1,4 @@
-//! The rebuild suites: the store's sessions, stages and pages
+//! The rebuild suites: the store's sessions and stages
 //! (`rebuild_store_suite`), and `/sync/rebuild` itself on any world and
 //! transport (`rebuild_suite_via`): every error and its precedence, pages
 //! replayed byte for byte, the handoff to pull while the application
@@ -22,7 +22,7 @@ use super::{CaptureWorld, Write};
 use crate::Engine;
 use crate::capture::{Materialization, MaterializedTransaction, Membership, Projection};
 use crate::staging::{FORGET_AFTER_MICROS, RebuildSession, SESSION_LIFETIME_MICROS};
-use crate::store::{Store, StoreError, StoreTx};
+use crate::store::{Store, StoreTx};
 
 const NOW: i64 = super::NOW;
 
@@ -99,6 +99,8 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
         page_limit: 2,
         expires_at: NOW + SESSION_LIFETIME_MICROS,
         digest: None,
+        cursor_key_id: "ic-7".into(),
+        continuation_key_id: "rc-7".into(),
     };
     let mut tx = store.begin_snapshot().await.unwrap();
     assert_eq!(tx.rebuild_session("c1", &uuid(1)).await.unwrap(), None);
@@ -166,28 +168,12 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
         Some(sealed.clone())
     );
     assert_eq!(tx.rebuild_session("c2", &uuid(1)).await.unwrap(), None);
-    // Pages: stored once, read back exactly.
-    assert_eq!(tx.rebuild_page(&a.session_id, 0).await.unwrap(), None);
-    tx.put_rebuild_page(&a.session_id, 0, b"page zero")
-        .await
-        .unwrap();
-    assert_eq!(
-        tx.rebuild_page(&a.session_id, 0).await.unwrap(),
-        Some(b"page zero".to_vec())
-    );
-    assert!(matches!(
-        tx.put_rebuild_page(&a.session_id, 0, b"other").await,
-        Err(StoreError::Integrity(_))
-    ));
     drop(tx);
-    // What failed rolled back: store it again, and commit.
+    // What was not committed rolled back: stage it again, and commit.
     let mut tx = store.begin_snapshot().await.unwrap();
     assert_eq!(tx.rebuild_session("c1", &uuid(1)).await.unwrap(), None);
     tx.stage_rebuild(&a, &[]).await.unwrap();
     tx.seal_rebuild_session(&a.session_id, &Digest([5; 32]))
-        .await
-        .unwrap();
-    tx.put_rebuild_page(&a.session_id, 0, b"page zero")
         .await
         .unwrap();
     // An empty scope stages nothing.
@@ -228,7 +214,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             ))
             .collect::<Vec<_>>()
     );
-    // A new session of the same attempt replaces the old one and its pages.
+    // A new session of the same attempt replaces the old one and its stage.
     let b = session(12, 1, &s1);
     assert_eq!(tx.stage_rebuild(&b, &[]).await.unwrap(), 4);
     assert_eq!(
@@ -238,16 +224,18 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             .map(|s| s.session_id),
         Some(b.session_id)
     );
-    assert_eq!(tx.rebuild_page(&a.session_id, 0).await.unwrap(), None);
+    assert!(
+        tx.staged_rows(&a.session_id, 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert!(
         tx.staged_rows(&b.session_id, 4, 10)
             .await
             .unwrap()
             .is_empty()
     );
-    tx.put_rebuild_page(&b.session_id, 0, b"b's first")
-        .await
-        .unwrap();
     tx.commit().await.unwrap();
 
     // The sweep: only what expired, at most `max` at a time, and the
@@ -270,7 +258,6 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             .unwrap()
             .is_empty()
     );
-    assert_eq!(tx.rebuild_page(&b.session_id, 0).await.unwrap(), None);
     assert_eq!(
         tx.rebuild_session("c1", &uuid(1))
             .await
@@ -292,7 +279,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     tx.commit().await.unwrap();
 
     // Usage counts the rows of live sessions, by the owner's user; a
-    // superseded session is expired now, without stage or pages, and
+    // superseded session is expired now, without its stage, and
     // still answers for its rebuild_id.
     let mut tx = store.begin().await.unwrap();
     let owned = crate::store::ClientRecord {
@@ -314,9 +301,6 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     let r1 = tx.stage_rebuild(&on_s1, &[]).await.unwrap();
     let r2 = tx.stage_rebuild(&on_s2, &[]).await.unwrap();
     assert!(r1 > 0 && r2 > 0);
-    tx.put_rebuild_page(&on_s1.session_id, 0, b"page")
-        .await
-        .unwrap();
     tx.commit().await.unwrap();
     let mut tx = store.begin().await.unwrap();
     let usage = |user_rows, total_rows| crate::staging::RebuildUsage {
@@ -357,7 +341,6 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
             .unwrap()
             .is_empty()
     );
-    assert_eq!(tx.rebuild_page(&on_s1.session_id, 0).await.unwrap(), None);
     assert!(
         !tx.staged_rows(&on_s2.session_id, 0, 10)
             .await
@@ -366,6 +349,55 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
         "another scope's session lives on"
     );
     tx.commit().await.unwrap();
+
+    // A stage larger than any block a store may keep it in reads back
+    // dense and whole, from every ordinal, across every boundary.
+    let s3 = ScopeId::parse("s3").unwrap();
+    let many: Vec<Projection> = (1000..1600).map(|k| projection(k, &[&s3])).collect();
+    let mut order: Vec<RowIdentity> = many.iter().map(|p| p.identity.clone()).collect();
+    order.sort();
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(&materialize(300, many)).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin_snapshot().await.unwrap();
+    let big = session(40, 40, &s3);
+    assert_eq!(tx.stage_rebuild(&big, &[]).await.unwrap(), 600);
+    for (from, max) in [
+        (0, 1000),
+        (0, 1),
+        (255, 2),
+        (256, 1),
+        (511, 3),
+        (100, 300),
+        (599, 5),
+        (600, 5),
+    ] {
+        let rows = tx.staged_rows(&big.session_id, from, max).await.unwrap();
+        let want = &order[(from as usize).min(600)..(from as usize + max).min(600)];
+        assert_eq!(
+            rows.iter().map(|r| r.identity.clone()).collect::<Vec<_>>(),
+            want,
+            "rows from {from}, at most {max}"
+        );
+        assert!(
+            rows.iter().zip(from..).all(|(r, o)| r.ordinal == o),
+            "dense ordinals from {from}"
+        );
+        let digests = tx.staged_digests(&big.session_id, from, max).await.unwrap();
+        assert_eq!(
+            digests.iter().map(|(i, _)| i.clone()).collect::<Vec<_>>(),
+            want,
+            "digests from {from}, at most {max}"
+        );
+    }
+    let row = tx.staged_rows(&big.session_id, 599, 1).await.unwrap();
+    let k = order[599].key().map(|(_, v)| v.to_wire()).unwrap();
+    assert_eq!(
+        row[0].row,
+        json::to_canonical_string(&json::object([("id", k)])),
+        "each row keeps its own text"
+    );
+    drop(tx);
 }
 
 /// The rebuild suite on one world, its clients calling the engine.

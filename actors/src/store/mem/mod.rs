@@ -262,6 +262,12 @@ impl MemStore {
         self.state.lock().await.rebuilds.blind_usage = true;
     }
 
+    /// Plants a bug: a rebuild page is rendered from the rows as they are
+    /// now, not as staged, so a replay after a write differs.
+    pub async fn plant_live_rebuild_pages(&self) {
+        self.state.lock().await.rebuilds.live_pages = true;
+    }
+
     /// Plants the bug of issue 24: a materialization satisfies only the
     /// pending fences it can see, so one decoded before it was visible stays
     /// pending for ever.
@@ -722,14 +728,6 @@ impl StoreTx for MemTx {
         MemTx::staged_rows(self, session_id, from, max)
     }
 
-    async fn rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(MemTx::rebuild_page(self, session_id, ordinal))
-    }
-
     async fn supersede_rebuild_sessions(
         &mut self,
         client_id: &str,
@@ -763,15 +761,6 @@ impl StoreTx for MemTx {
         max: usize,
     ) -> Result<u64, StoreError> {
         Ok(MemTx::forget_rebuild_sessions(self, expired_before, max))
-    }
-
-    async fn put_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> Result<(), StoreError> {
-        MemTx::put_rebuild_page(self, session_id, ordinal, body)
     }
 
     async fn push_ledger(

@@ -1,4 +1,4 @@
-//! MemStore's rebuild sessions: each with its stage and answered pages.
+//! MemStore's rebuild sessions: each with its stage.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -16,8 +16,7 @@ struct Held {
     session: RebuildSession,
     /// Immutable once staged; shared by every transaction's copy of the state.
     stage: Arc<Vec<StagedRow>>,
-    pages: BTreeMap<u64, Vec<u8>>,
-    /// Expired, and its stage and pages deleted.
+    /// Expired, and its stage deleted.
     swept: bool,
 }
 
@@ -25,9 +24,11 @@ struct Held {
 #[derive(Clone, Debug, Default)]
 pub(super) struct Rebuilds {
     sessions: BTreeMap<CanonicalUuid, Held>,
-    /// Planted bugs: a new attempt supersedes nothing; usage counts nothing.
+    /// Planted bugs: a new attempt supersedes nothing; usage counts nothing;
+    /// a page is rendered from the live rows, not the stage.
     pub(super) no_supersede: bool,
     pub(super) blind_usage: bool,
+    pub(super) live_pages: bool,
 }
 
 impl Rebuilds {
@@ -115,7 +116,6 @@ impl MemTx {
             Held {
                 session: session.clone(),
                 stage: Arc::new(stage),
-                pages: BTreeMap::new(),
                 swept: false,
             },
         );
@@ -129,26 +129,31 @@ impl MemTx {
         max: usize,
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
         Ok(self
-            .stage_from(session_id, from, max)?
+            .stage_from(session_id, from, max)
             .map(|r| (r.identity.clone(), r.digest))
             .collect())
     }
 
-    /// At most `max` staged rows of `session_id` from ordinal `from`.
+    /// At most `max` staged rows of `session_id` from ordinal `from`; none
+    /// of a session that is gone (as on PostgreSQL).
     fn stage_from(
         &self,
         session_id: &CanonicalUuid,
         from: u64,
         max: usize,
-    ) -> Result<impl Iterator<Item = &StagedRow>, StoreError> {
-        let h = self
+    ) -> impl Iterator<Item = &StagedRow> {
+        let stage = self
             .work
             .rebuilds
             .sessions
             .get(session_id)
-            .ok_or_else(missing)?;
+            .map(|h| &h.stage);
         let from = usize::try_from(from).unwrap_or(usize::MAX);
-        Ok(h.stage.iter().skip(from).take(max))
+        stage
+            .into_iter()
+            .flat_map(|s| s.iter())
+            .skip(from)
+            .take(max)
     }
 
     pub(super) fn seal_rebuild_session(
@@ -172,30 +177,22 @@ impl MemTx {
         from: u64,
         max: usize,
     ) -> Result<Vec<StagedRow>, StoreError> {
-        Ok(self.stage_from(session_id, from, max)?.cloned().collect())
-    }
-
-    pub(super) fn rebuild_page(&self, session_id: &CanonicalUuid, ordinal: u64) -> Option<Vec<u8>> {
-        let h = self.work.rebuilds.sessions.get(session_id)?;
-        h.pages.get(&ordinal).cloned()
-    }
-
-    pub(super) fn put_rebuild_page(
-        &mut self,
-        session_id: &CanonicalUuid,
-        ordinal: u64,
-        body: &[u8],
-    ) -> Result<(), StoreError> {
-        let h = self
-            .work
-            .rebuilds
-            .sessions
-            .get_mut(session_id)
-            .ok_or_else(missing)?;
-        if h.pages.insert(ordinal, body.to_vec()).is_some() {
-            return Err(StoreError::Integrity("a rebuild page stored twice".into()));
+        let staged = self.stage_from(session_id, from, max).cloned();
+        if !self.work.rebuilds.live_pages {
+            return Ok(staged.collect());
         }
-        Ok(())
+        // The planted bug: each row as its projection holds it now.
+        let live = &self.work.capture.projections;
+        Ok(staged
+            .map(|mut r| {
+                if let Some(p) = live.get(&(r.table_id.clone(), r.identity.clone())) {
+                    r.row = protocol::json::to_canonical_string(&p.row);
+                    r.version = p.version.clone();
+                    r.digest = p.digest;
+                }
+                r
+            })
+            .collect())
     }
 
     pub(super) fn supersede_rebuild_sessions(
@@ -217,7 +214,6 @@ impl MemTx {
             {
                 s.expires_at = now_micros;
                 h.stage = Arc::new(Vec::new());
-                h.pages.clear();
                 h.swept = true;
                 ended += 1;
             }
@@ -252,7 +248,6 @@ impl MemTx {
             }
             if h.session.expires_at <= now_micros && !h.swept {
                 h.stage = Arc::new(Vec::new());
-                h.pages.clear();
                 h.swept = true;
                 swept += 1;
             }
