@@ -5,4 +5,5 @@
 pub mod adapter;
 pub mod auth;
 pub mod listener;
+pub mod parse_errors;
 pub mod progress;

@@ -10,6 +10,8 @@
 //! - A head (request line and headers) is at most `max_head_octets`, the
 //!   read buffer of each connection.
 //! - The body deadline is the adapter's (`AppState::body_timeout`).
+//! - What hyper answers itself (a request it cannot parse) carries the
+//!   error envelope too (`parse_errors::Enveloped`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -24,6 +26,8 @@ use protocol::limits::RETRY_AFTER_SECONDS;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
+
+use crate::parse_errors::Enveloped;
 
 /// Refusals written at once; past them a connection is closed unanswered.
 const REFUSALS_AT_ONCE: usize = 64;
@@ -98,8 +102,10 @@ pub async fn serve(
             }
             continue;
         };
-        let connection =
-            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let connection = builder.serve_connection(
+            Enveloped::new(TokioIo::new(stream)),
+            TowerToHyperService::new(app.clone()),
+        );
         let mut stopped = stopped.clone();
         tokio::spawn(async move {
             tokio::pin!(connection);

@@ -1,7 +1,9 @@
 //! The HTTP listener's bounds over real sockets (issue 24, items 4 and 7):
 //! idle and trickling connections are closed, a body that does not arrive
-//! in time is answered 408, a connection past the cap is answered 503, and
-//! an encoded body 415, each with the error envelope.
+//! in time is answered 408, a connection past the cap is answered 503, an
+//! encoded body 415, and what hyper answers itself (a head past the limit
+//! 431, a malformed request line or two different `Content-Length`s 400),
+//! each with the error envelope.
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
@@ -143,6 +145,51 @@ async fn an_encoded_body_is_answered_415() {
     c.write_all(head.as_bytes()).await.unwrap();
     let (status, code, _) = answer(&until_closed(&mut c).await);
     assert_eq!((status, code.as_str()), (415, "invalid_request"));
+}
+
+/// The answer to `raw` sent alone on a new connection.
+async fn answer_to(s: &Listening, raw: &[u8]) -> (u16, String, String) {
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(raw).await.unwrap();
+    answer(&until_closed(&mut c).await)
+}
+
+#[tokio::test]
+async fn what_hyper_answers_itself_carries_the_envelope() {
+    let s = listening(8, 2_000, 2_000).await;
+    // Twice the limit: hyper parses a head that a single read completed
+    // even a little past it.
+    let long = "a".repeat(2 * MAX_HEAD_OCTETS);
+    let too_large = format!("GET /ready HTTP/1.1\r\nhost: x\r\nx-long: {long}\r\n\r\n");
+    let (status, code, head) = answer_to(&s, too_large.as_bytes()).await;
+    assert_eq!((status, code.as_str()), (431, "invalid_request"));
+    assert!(head.contains("content-type: application/json"), "{head}");
+    for malformed in [
+        &b"GARBAGE\r\n\r\n"[..],
+        b"GET /ready HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",
+        b"POST /sync/connect HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\
+          content-length: 3\r\n\r\n{}",
+    ] {
+        let (status, code, head) = answer_to(&s, malformed).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "invalid_request"),
+            "{}",
+            String::from_utf8_lossy(malformed)
+        );
+        assert!(head.contains("connection: close"), "{head}");
+    }
+    // On a kept-alive connection too, after an answer of the app's own.
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"GET /ready HTTP/1.1\r\nhost: x\r\n\r\nGARBAGE\r\n\r\n")
+        .await
+        .unwrap();
+    let raw = until_closed(&mut c).await;
+    let text = String::from_utf8_lossy(&raw);
+    let second = text.rfind("HTTP/1.1 ").unwrap();
+    assert!(second > 0, "two answers: {text}");
+    let (status, code, _) = answer(&raw[second..]);
+    assert_eq!((status, code.as_str()), (400, "invalid_request"), "{text}");
 }
 
 #[tokio::test]
