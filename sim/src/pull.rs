@@ -61,7 +61,8 @@ pub enum Mutant {
     /// current and continues from its position with a new one.
     CrossGeneration,
     /// The store renders rebuild pages from the rows as they are now, not
-    /// as staged (ADR 0017): in the store, so every client's pages.
+    /// as staged (ADR 0017): in the store, so every client's pages; the
+    /// mutant's client replays each of its pages.
     LivePages,
 }
 
@@ -343,7 +344,9 @@ impl Client {
                 if let Err(v) = self.rebuilt.record(&body, &page) {
                     self.note(trace, format!("{}: {v}", self.client_id));
                 }
-                if thread_rng().gen_bool(0.25) {
+                if self.mutant == Some(Mutant::LivePages) || thread_rng().gen_bool(0.25) {
+                    // Later in simulated time: the application writes meanwhile.
+                    sleep(Duration::from_millis(thread_rng().gen_range(0..2_000))).await;
                     let (again, replayed) =
                         call(&mut self.link, &self.user, REBUILD, &body, trace).await;
                     if again == 200 {
@@ -1071,10 +1074,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             .name(format!("client-{i}"))
             .ip(format!("10.0.1.{}", i + 1).parse().expect("ip"))
             .build();
-        // The mutant lives in one client (the store's in the store).
-        let mutant = scenario
-            .mutant
-            .filter(|m| i == 0 && *m != Mutant::LivePages);
+        // The mutant lives in one client (the store's in the store; that
+        // client then replays every rebuild page it gets).
+        let mutant = if i == 0 { scenario.mutant } else { None };
         tasks.push(node.spawn(client_main(
             i,
             user,
