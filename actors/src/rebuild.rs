@@ -234,9 +234,9 @@ impl<S: Store> Rebuilder<S> {
     /// client's live sessions of the scope (at most one lives per client
     /// and scope), then stages within the budgets. A stage that would pass
     /// the user's or the instance's budget while other stages hold rows
-    /// answers `429 retry_later`, and the transaction (the superseding
-    /// included) rolls back; a stage alone may be of any size, so every
-    /// scope can be rebuilt.
+    /// answers `429 retry_later` before anything is staged, and the
+    /// transaction (the superseding included) rolls back; a stage alone
+    /// may be of any size, so every scope can be rebuilt.
     async fn new_session(
         &self,
         tx: &mut S::Tx,
@@ -249,7 +249,9 @@ impl<S: Store> Rebuilder<S> {
         tx.supersede_rebuild_sessions(&client.client_id, &context.req.scope, now)
             .await?;
         let before = tx.rebuild_usage(&client.user_id, now).await?;
-        let (session, rows) = self.stage(tx, current, context.session(session_id)).await?;
+        // Judged before staging: a refused stage is never written (a
+        // written one that rolls back leaves its bytes dead in the table).
+        let rows = tx.scope_size(&context.req.scope).await?;
         let over = |held: u64, budget: u64| held > 0 && held.saturating_add(rows) > budget;
         if over(before.user_rows, self.limits.rebuild_rows_per_user)
             || over(before.total_rows, self.limits.rebuild_rows_total)
@@ -258,6 +260,11 @@ impl<S: Store> Rebuilder<S> {
                 .with_message("rebuild staging is at its budget; retry later")
                 .into());
         }
+        let (session, staged) = self.stage(tx, current, context.session(session_id)).await?;
+        assert_eq!(
+            staged, rows,
+            "a stage holds its scope's rows, in one snapshot"
+        );
         Ok(session)
     }
 

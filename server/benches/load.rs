@@ -414,6 +414,20 @@ async fn abuse(
     tasks
 }
 
+/// Every table's bytes (heap, indexes, TOAST) in the app's and synchro's schemas.
+async fn table_bytes(pool: &PgPool) -> std::collections::BTreeMap<String, i64> {
+    sqlx::query_as(
+        "SELECT c.oid::regclass::text, pg_total_relation_size(c.oid) FROM pg_class c \
+         JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relkind = 'r' AND n.nspname IN ('synchro', 'public')",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
+}
+
 async fn database_bytes(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT pg_database_size(current_database())")
         .fetch_one(pool)
@@ -501,6 +515,7 @@ async fn run(
     let lag = tokio::spawn(capture_lag(pool.clone(), stop.clone()));
     let seen = Arc::new(Abused::default());
     let size_before = database_bytes(&pool).await;
+    let tables_before = table_bytes(&pool).await;
     let floods = match abused {
         true => abuse(server.addr, secret, seen.clone(), stop.clone()).await,
         false => Vec::new(),
@@ -539,6 +554,12 @@ async fn run(
         f.abort();
     }
     let size_after = database_bytes(&pool).await;
+    let mut grown: Vec<(i64, String)> = table_bytes(&pool)
+        .await
+        .into_iter()
+        .map(|(t, after)| (after - tables_before.get(&t).copied().unwrap_or(0), t))
+        .collect();
+    grown.sort_by(|a, b| b.cmp(a));
     let mut lags = lag.await.unwrap();
     lags.sort();
     eprintln!();
@@ -588,6 +609,10 @@ async fn run(
         size_after as f64 / 1e6,
         (size_after - size_before) as f64 / 1e6
     );
+    let most: Vec<String> = (grown.iter().take(5))
+        .map(|(b, t)| format!("{t} {:+.1} MB", *b as f64 / 1e6))
+        .collect();
+    println!("  grew most: {}", most.join(", "));
     if abused {
         println!("  the abuser's answers: {:?}", seen.answers.lock().unwrap());
     }

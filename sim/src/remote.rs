@@ -70,6 +70,7 @@ enum Op {
     RecordHeartbeat(Heartbeat),
     CaptureHealth,
     ScopeMembers(ScopeId),
+    ScopeSize(ScopeId),
     Projections(String, Vec<RowIdentity>),
     HasStaleProjections(u64),
     StaleScopeMembers(ScopeId, u64),
@@ -433,6 +434,7 @@ async fn transaction(
             Op::RecordHeartbeat(b) => (Answer::Unit(tx.record_heartbeat(&b).await), false),
             Op::CaptureHealth => (Answer::Health(tx.capture_health().await), false),
             Op::ScopeMembers(s) => (Answer::Members(tx.scope_members(&s).await), false),
+            Op::ScopeSize(s) => (Answer::Count(tx.scope_size(&s).await), false),
             Op::HasStaleProjections(v) => {
                 (Answer::Inserted(tx.has_stale_projections(v).await), false)
             }
@@ -1003,6 +1005,13 @@ impl StoreTx for RemoteTx {
     ) -> Result<Vec<(RowIdentity, Digest)>, StoreError> {
         match self.call(Op::ScopeMembers(scope.clone())).await? {
             Answer::Members(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn scope_size(&mut self, scope: &ScopeId) -> Result<u64, StoreError> {
+        match self.call(Op::ScopeSize(scope.clone())).await? {
+            Answer::Count(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -408,6 +408,10 @@ impl StoreTx for PgTx {
         self.read_scope_members(scope).await
     }
 
+    async fn scope_size(&mut self, scope: &ScopeId) -> Result<u64, StoreError> {
+        self.read_scope_size(scope).await
+    }
+
     async fn record_heartbeat(&mut self, beat: &Heartbeat) -> Result<(), StoreError> {
         self.write_heartbeat(beat).await
     }

@@ -186,13 +186,7 @@ impl PgTx {
             "a block holds 1 to BLOCK_ROWS rows"
         );
         let staged = blocks.iter().map(|&n| n as u64).sum::<u64>();
-        let members: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM synchro.scope_members WHERE scope_id = $1")
-                .bind(s.scope.as_str())
-                .fetch_one(&mut *self.tx)
-                .await
-                .map_err(db_error)?;
-        if staged != to_u64(members)? {
+        if staged != self.read_scope_size(&s.scope).await? {
             return Err(integrity("a member has no projection"));
         }
         sqlx::query(
@@ -204,6 +198,16 @@ impl PgTx {
         .await
         .map_err(db_error)?;
         Ok(staged)
+    }
+
+    pub(crate) async fn read_scope_size(&mut self, scope: &ScopeId) -> Result<u64, StoreError> {
+        let members: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM synchro.scope_members WHERE scope_id = $1")
+                .bind(scope.as_str())
+                .fetch_one(&mut *self.tx)
+                .await
+                .map_err(db_error)?;
+        to_u64(members)
     }
 
     pub(crate) async fn read_staged_digests(

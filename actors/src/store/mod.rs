@@ -195,6 +195,13 @@ pub trait StoreTx: Send {
         scope: &ScopeId,
     ) -> impl Future<Output = Result<Vec<(RowIdentity, Digest)>, StoreError>> + Send;
 
+    /// How many rows the scope has now (tombstones included): what a
+    /// rebuild of it stages.
+    fn scope_size(
+        &mut self,
+        scope: &ScopeId,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Whether any projection's digest was computed under another manifest
     /// than `schema_version`.
     fn has_stale_projections(

@@ -106,6 +106,14 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     assert_eq!(tx.rebuild_session("c1", &uuid(1)).await.unwrap(), None);
     // Staged in row-identity order, with an override digest for row 2.
     let a = session(10, 1, &s1);
+    assert_eq!(tx.scope_size(&s1).await.unwrap(), 3);
+    assert_eq!(tx.scope_size(&s2).await.unwrap(), 1);
+    assert_eq!(
+        tx.scope_size(&ScopeId::parse("nobody").unwrap())
+            .await
+            .unwrap(),
+        0
+    );
     let staged = tx
         .stage_rebuild(&a, &[(identity(2), Digest([42; 32]))])
         .await
@@ -216,6 +224,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     );
     // A new session of the same attempt replaces the old one and its stage.
     let b = session(12, 1, &s1);
+    assert_eq!(tx.scope_size(&s1).await.unwrap(), 4, "the scope now");
     assert_eq!(tx.stage_rebuild(&b, &[]).await.unwrap(), 4);
     assert_eq!(
         tx.rebuild_session("c1", &uuid(1))

@@ -549,6 +549,13 @@ impl MemTx {
         self.work.capture.progress.clone()
     }
 
+    pub(super) fn scope_size(&self, scope: &ScopeId) -> u64 {
+        (self.work.capture.members)
+            .range((scope.clone(), RowIdentity::from_bytes(Vec::new()))..)
+            .take_while(|((s, _), _)| s == scope)
+            .count() as u64
+    }
+
     pub(super) fn scope_members(
         &self,
         scope: &ScopeId,

@@ -508,6 +508,10 @@ impl StoreTx for MemTx {
         MemTx::scope_members(self, scope)
     }
 
+    async fn scope_size(&mut self, scope: &ScopeId) -> Result<u64, StoreError> {
+        Ok(MemTx::scope_size(self, scope))
+    }
+
     async fn has_stale_projections(&mut self, schema_version: u64) -> Result<bool, StoreError> {
         Ok(MemTx::has_stale_projections(self, schema_version))
     }
