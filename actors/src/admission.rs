@@ -1,6 +1,11 @@
 //! Admission control (dispatch step 8), fair per user: one user, however
-//! many `client_id`s it uses, never takes what the others need.
+//! many `client_id`s it uses, never takes what the others need; and the
+//! flood gate before dispatch.
 //!
+//! - The flood gate: a token bucket per user over requests of every
+//!   endpoint, far above what a client makes, judged before anything of
+//!   the request is read (ADR 0018), so that a flood costs the database
+//!   nothing.
 //! - Pages: pull and rebuild share the instance's page permits, and one
 //!   user holds at most `limits.pages_per_user` of them at once.
 //! - Rates: a token bucket per user and kind (page requests; pushed
@@ -41,6 +46,7 @@ struct UserShare {
     requests: Bucket,
     mutations: Bucket,
     stages: Bucket,
+    flood: Bucket,
 }
 
 /// A token bucket: `tokens` (in millionths) as of `at_micros`.
@@ -156,6 +162,22 @@ impl Admission {
         })
     }
 
+    /// Any request of `user_id`, before dispatch: within the user's flood
+    /// gate. Past it, 429 before the request is read.
+    pub fn admit_request(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
+        let l = &self.limits;
+        let mut users = self.lock();
+        let share = self.share(&mut users, user_id, now_micros);
+        let per_minute = l.flood_requests_per_user_per_second.saturating_mul(60);
+        match share
+            .flood
+            .take(1, per_minute, l.flood_burst_per_user, now_micros)
+        {
+            true => Ok(()),
+            false => Err(busy()),
+        }
+    }
+
     /// A new rebuild session staged for `user_id`, within the user's
     /// staging rate (each stage writes its whole scope).
     pub fn admit_stage(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
@@ -207,6 +229,7 @@ impl Admission {
                     || !u.requests.is_full(l.request_burst_per_user)
                     || !u.mutations.is_full(l.mutation_burst_per_user)
                     || !u.stages.is_full(l.rebuild_stages_per_user_per_minute)
+                    || !u.flood.is_full(l.flood_burst_per_user)
             });
         }
         users
@@ -216,6 +239,7 @@ impl Admission {
                 requests: Bucket::full(l.request_burst_per_user, now_micros),
                 mutations: Bucket::full(l.mutation_burst_per_user, now_micros),
                 stages: Bucket::full(l.rebuild_stages_per_user_per_minute, now_micros),
+                flood: Bucket::full(l.flood_burst_per_user, now_micros),
             })
     }
 }
@@ -238,6 +262,8 @@ mod tests {
             mutations_per_user_per_second: 100,
             mutation_burst_per_user: 150,
             rebuild_stages_per_user_per_minute: 2,
+            flood_requests_per_user_per_second: 20,
+            flood_burst_per_user: 4,
             ..LimitsConfig::default()
         }
     }
@@ -295,6 +321,18 @@ mod tests {
         assert!(a.admit_stage("alice", 0).is_err(), "2 a minute");
         a.admit_stage("bob", 0).unwrap();
         a.admit_stage("alice", 30_000_000).unwrap();
+    }
+
+    #[test]
+    fn the_flood_gate_counts_every_request_of_a_user() {
+        let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
+        for _ in 0..4 {
+            a.admit_request("alice", 0).unwrap();
+        }
+        assert!(a.admit_request("alice", 0).is_err(), "the burst is spent");
+        a.admit_request("bob", 0).unwrap();
+        assert!(a.admit_request("alice", 49_999).is_err(), "not yet a token");
+        a.admit_request("alice", 50_000).unwrap();
     }
 
     #[test]

@@ -63,6 +63,14 @@ pub struct LimitsConfig {
     /// each writes its whole scope.
     #[serde(default = "default_stages_per_minute")]
     pub rebuild_stages_per_user_per_minute: u64,
+    /// Requests of every endpoint one user may make per second, sustained,
+    /// before any is looked at: past it, 429 before dispatch (the flood
+    /// gate, ADR 0018)...
+    #[serde(default = "default_flood_per_second")]
+    pub flood_requests_per_user_per_second: u64,
+    /// ... and at once.
+    #[serde(default = "default_flood_burst")]
+    pub flood_burst_per_user: u64,
 }
 
 impl Default for LimitsConfig {
@@ -74,6 +82,8 @@ impl Default for LimitsConfig {
             pages_per_user: default_pages_per_user(),
             requests_per_user_per_second: default_requests_per_second(),
             request_burst_per_user: default_request_burst(),
+            flood_requests_per_user_per_second: default_flood_per_second(),
+            flood_burst_per_user: default_flood_burst(),
             mutations_per_user_per_second: default_mutations_per_second(),
             mutation_burst_per_user: default_mutation_burst(),
             rebuild_stages_per_user_per_minute: default_stages_per_minute(),
@@ -108,6 +118,14 @@ fn default_mutation_burst() -> u64 {
 /// A device rebuilds a scope when told to: a handful a minute is plenty.
 fn default_stages_per_minute() -> u64 {
     20
+}
+
+fn default_flood_per_second() -> u64 {
+    100
+}
+
+fn default_flood_burst() -> u64 {
+    300
 }
 
 /// Enough for a few devices rebuilding a large scope at once.
@@ -569,6 +587,8 @@ impl SyncConfig {
             l.request_burst_per_user,
             l.mutations_per_user_per_second,
             l.rebuild_stages_per_user_per_minute,
+            l.flood_requests_per_user_per_second,
+            l.flood_burst_per_user,
         ]
         .contains(&0)
         {
@@ -576,6 +596,14 @@ impl SyncConfig {
         }
         if l.rebuild_rows_total < l.rebuild_rows_per_user {
             return err("limits.rebuild_rows_total must be at least rebuild_rows_per_user");
+        }
+        if l.flood_requests_per_user_per_second < l.requests_per_user_per_second
+            || l.flood_burst_per_user < l.request_burst_per_user
+        {
+            return err(
+                "limits.flood_requests_per_user_per_second and flood_burst_per_user must be \
+                 at least requests_per_user_per_second and request_burst_per_user",
+            );
         }
         if l.mutation_burst_per_user < max_batch {
             return err("limits.mutation_burst_per_user must hold one full batch (1000)");

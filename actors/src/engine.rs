@@ -57,6 +57,8 @@ pub struct Engine {
     /// Pull pages being built; a pull that finds none free answers 429.
     #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
     pull_pages: Arc<Semaphore>,
+    /// The flood gate every request passes first.
+    admission: Arc<Admission>,
     capture: watch::Receiver<CaptureStatus>,
     /// Latched by the first `500 sync_integrity_failure`: durable state broke
     /// an invariant, so this process stays unready until it restarts.
@@ -72,6 +74,9 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long a failed health read answers readiness by itself.
 const UNREACHABLE_HOLD: Duration = Duration::from_secs(2);
+
+/// How long a request refused by the flood gate waits for its answer.
+const FLOOD_PAUSE: Duration = Duration::from_millis(100);
 
 /// How many requests may wait for the registry before callers wait too.
 const REGISTRY_INBOX: usize = 1024;
@@ -122,7 +127,7 @@ impl Engine {
         let rebuilder = Arc::new(Rebuilder::new(
             store.clone(),
             registry.clone(),
-            admission,
+            admission.clone(),
             config.limits.clone(),
         ));
         let rebuild_tx = serve_requests(rebuilder, PARALLEL_PULLS, |rebuilder, m| async move {
@@ -179,6 +184,7 @@ impl Engine {
             puller: pull_tx,
             rebuilder: rebuild_tx,
             pull_pages,
+            admission,
             capture,
             integrity_failed: Arc::new(AtomicBool::new(false)),
             unreachable_since: Arc::default(),
@@ -211,6 +217,9 @@ impl Engine {
 
     /// `POST /sync/connect` for an authenticated user.
     pub async fn connect(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
+        if let Err(refused) = self.flood_gate(user_id, now_micros).await {
+            return refused;
+        }
         let user_id = user_id.to_owned();
         let reply = self
             .ask(|reply| RegistryMsg::Connect {
@@ -240,6 +249,19 @@ impl Engine {
             .await
     }
 
+    /// The flood gate, before dispatch (ADR 0018): past it, `429` after
+    /// `FLOOD_PAUSE`, so that a client that retries at once, ignoring
+    /// `Retry-After`, is slowed instead of spinning a core on refusals.
+    async fn flood_gate(&self, user_id: &str, now_micros: i64) -> Result<(), Reply> {
+        match self.admission.admit_request(user_id, now_micros) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tokio::time::sleep(FLOOD_PAUSE).await;
+                Err(Reply::error(&e))
+            }
+        }
+    }
+
     /// One request to an actor's inbox, and its reply.
     async fn request(
         &self,
@@ -248,6 +270,9 @@ impl Engine {
         body: Vec<u8>,
         now_micros: i64,
     ) -> Reply {
+        if let Err(refused) = self.flood_gate(user_id, now_micros).await {
+            return refused;
+        }
         let (reply, rx) = oneshot::channel();
         let msg = RequestMsg {
             user_id: user_id.to_owned(),

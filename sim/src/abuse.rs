@@ -101,6 +101,10 @@ pub fn config(zero_share: bool) -> SyncConfig {
     l.pages_per_user = if zero_share { 0 } else { 3 };
     l.requests_per_user_per_second = 2;
     l.request_burst_per_user = 6;
+    // The flood gate (ADR 0018), above every ordinary user's requests of
+    // all endpoints, below the abuser's.
+    l.flood_requests_per_user_per_second = 5;
+    l.flood_burst_per_user = 15;
     l.registrations_per_user_per_hour = 10;
     c
 }

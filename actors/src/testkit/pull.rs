@@ -340,8 +340,21 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     let mut limited = push_config();
     limited.limits.requests_per_user_per_second = 1;
     limited.limits.request_burst_per_user = 3;
-    let fair = Node::new(Engine::start(store.clone(), limited).await.unwrap(), serve);
+    let fair = Node::new(
+        Engine::start(store.clone(), limited).await.unwrap(),
+        serve.clone(),
+    );
     fair_admission(world, &fair).await;
+    let mut gated = push_config();
+    gated.limits.requests_per_user_per_second = 1;
+    gated.limits.request_burst_per_user = 3;
+    gated.limits.flood_requests_per_user_per_second = 1;
+    gated.limits.flood_burst_per_user = 4;
+    let gate = Node::new(
+        Engine::start(store.clone(), gated).await.unwrap(),
+        serve.clone(),
+    );
+    flood_gate(world, &gate).await;
     fails_at_commit(world, &node).await;
     // Last: it appends manifests, and then blocks capture.
     let latest = schema_bridge(world, &node).await;
@@ -970,6 +983,37 @@ async fn fair_admission<W: CaptureWorld>(world: &W, node: &Node) {
     );
     let (s, v, _) = calm.send(calm.body(10)).await;
     assert_eq!(s, 200, "another user is not refused: {v:?}");
+}
+
+/// The flood gate (ADR 0018): past a user's burst of requests of any
+/// endpoint, 429 before the request is read (a malformed body gets 429,
+/// not 400), on every endpoint; another user is not refused.
+async fn flood_gate<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let flood = PullClient::connect(store, node, "fg-flood", "fg-f1").await;
+    let calm = PullClient::connect(store, node, "fg-calm", "fg-c1").await;
+    let mut malformed = 0;
+    loop {
+        let (s, v, after) = flood.send(b"{".to_vec()).await;
+        if s == 429 {
+            assert_eq!((code(&v), after), ("retry_later", Some(5)));
+            break;
+        }
+        assert_eq!((s, code(&v)), (400, "invalid_request"));
+        malformed += 1;
+        assert!(malformed < 20, "the flood was never refused");
+    }
+    assert!(malformed >= 2, "the burst (less the connect) is read");
+    for route in [Route::Push, Route::Rebuild, Route::Connect] {
+        let r = node.send(route, "fg-flood", b"{".to_vec()).await;
+        assert_eq!(r.status, 429, "{route:?} is gated too");
+    }
+    let (s, v, _) = calm.send(b"{".to_vec()).await;
+    assert_eq!(
+        (s, code(&v)),
+        (400, "invalid_request"),
+        "another user is read"
+    );
 }
 
 /// The store-conformance suite for what pull reads and writes, on a fresh store.

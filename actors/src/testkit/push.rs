@@ -25,6 +25,8 @@ pub fn benchmark_limits() -> LimitsConfig {
     LimitsConfig {
         requests_per_user_per_second: 1_000_000,
         request_burst_per_user: 1_000_000,
+        flood_requests_per_user_per_second: 1_000_000,
+        flood_burst_per_user: 1_000_000,
         mutations_per_user_per_second: 1_000_000_000,
         mutation_burst_per_user: 1_000_000_000,
         ..LimitsConfig::default()
