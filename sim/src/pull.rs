@@ -273,10 +273,10 @@ impl Client {
     }
 
     /// Rebuilds every scope that needs it through `/sync/rebuild`.
-    async fn rebuild(&mut self, trace: &Mutex<PullTrace>) {
+    async fn rebuild(&mut self, store: &MemStore, trace: &Mutex<PullTrace>) {
         let stale = self.replica.needs_rebuild();
         for scope in stale {
-            self.rebuild_scope(&scope, trace).await;
+            self.rebuild_scope(&scope, store, trace).await;
         }
     }
 
@@ -284,7 +284,7 @@ impl Client {
     /// after a 409 or a checksum that does not verify; each page is
     /// retried with the identical request until answered, and now and then
     /// requested again, which must give the same bytes.
-    async fn rebuild_scope(&mut self, scope: &str, trace: &Mutex<PullTrace>) {
+    async fn rebuild_scope(&mut self, scope: &str, store: &MemStore, trace: &Mutex<PullTrace>) {
         for _ in 0..8 {
             self.attempts += 1;
             let id = format!(
@@ -344,9 +344,26 @@ impl Client {
                 if let Err(v) = self.rebuilt.record(&body, &page) {
                     self.note(trace, format!("{}: {v}", self.client_id));
                 }
-                if self.mutant == Some(Mutant::LivePages) || thread_rng().gen_bool(0.25) {
-                    // Later in simulated time: the application writes meanwhile.
-                    sleep(Duration::from_millis(thread_rng().gen_range(0..2_000))).await;
+                let live_pages = self.mutant == Some(Mutant::LivePages);
+                if live_pages || thread_rng().gen_bool(0.25) {
+                    // Later in simulated time: the application writes
+                    // meanwhile (for the live-pages bug, to a row of this
+                    // page, and capture has time to take it).
+                    if live_pages {
+                        if touch_a_record(store, &page).await {
+                            let touched = Boundary::TransactionEnd {
+                                commit_lsn: store.last_commit_lsn().await,
+                            };
+                            for _ in 0..100 {
+                                if boundary_now(store).await >= touched {
+                                    break;
+                                }
+                                sleep(Duration::from_millis(100)).await;
+                            }
+                        }
+                    } else {
+                        sleep(Duration::from_millis(thread_rng().gen_range(0..2_000))).await;
+                    }
                     let (again, replayed) =
                         call(&mut self.link, &self.user, REBUILD, &body, trace).await;
                     if again == 200 {
@@ -403,7 +420,7 @@ impl Client {
     /// One pull, retried until a page comes; the page applied and judged.
     /// `Some(terminal)` when a page was applied.
     async fn pull(&mut self, store: &MemStore, trace: &Mutex<PullTrace>) -> Option<bool> {
-        self.rebuild(trace).await;
+        self.rebuild(store, trace).await;
         let limit = thread_rng().gen_range(1..=6);
         let body = self
             .replica
@@ -609,6 +626,37 @@ pub(crate) fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
     !effects
         .iter()
         .any(|l| l.identity == e.identity && l.position > e.position)
+}
+
+/// The application changes the title of a note this rebuild page holds,
+/// if it holds one: whether it did.
+async fn touch_a_record(store: &MemStore, page: &[u8]) -> bool {
+    let Ok(Value::Object(o)) = json::parse(page) else {
+        return false;
+    };
+    let Some(Value::Array(records)) = o.get("records") else {
+        return false;
+    };
+    let mut tx = store.begin().await.expect("begin");
+    for r in records {
+        let Some(Value::Object(pk)) = r.as_object().and_then(|r| r.get("pk")) else {
+            continue;
+        };
+        let Some(id) = pk.values().next().and_then(Value::as_str) else {
+            continue;
+        };
+        let key: SourceImage = [("id".to_owned(), Some(id.to_owned()))]
+            .into_iter()
+            .collect();
+        if tx.source_row("public.notes", &key).is_some() {
+            let title: SourceImage = [("title".to_owned(), Some(format!("touched {id}")))]
+                .into_iter()
+                .collect();
+            return tx.source_update("public.notes", &key, title).is_ok()
+                && tx.commit().await.is_ok();
+        }
+    }
+    false
 }
 
 /// The page as the planted bug would have sent it, if it applies here: the
