@@ -61,8 +61,9 @@ pub enum Mutant {
     /// current and continues from its position with a new one.
     CrossGeneration,
     /// The store renders rebuild pages from the rows as they are now, not
-    /// as staged (ADR 0017): in the store, so every client's pages; the
-    /// mutant's client replays each of its pages.
+    /// as staged (ADR 0017): in the store, so every client's pages. The
+    /// mutant's client has the application change a note of each page it
+    /// gets, and replays the page once capture took the change.
     LivePages,
 }
 
