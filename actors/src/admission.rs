@@ -166,29 +166,22 @@ impl Admission {
     /// gate. Past it, 429 before the request is read.
     pub fn admit_request(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
         let l = &self.limits;
-        let mut users = self.lock();
-        let share = self.share(&mut users, user_id, now_micros);
         let per_minute = l.flood_requests_per_user_per_second.saturating_mul(60);
-        match share
-            .flood
-            .take(1, per_minute, l.flood_burst_per_user, now_micros)
-        {
-            true => Ok(()),
-            false => Err(busy()),
-        }
+        self.spend(
+            user_id,
+            now_micros,
+            |u| &mut u.flood,
+            1,
+            per_minute,
+            l.flood_burst_per_user,
+        )
     }
 
     /// A new rebuild session staged for `user_id`, within the user's
     /// staging rate (each stage writes its whole scope).
     pub fn admit_stage(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
-        let l = &self.limits;
-        let mut users = self.lock();
-        let share = self.share(&mut users, user_id, now_micros);
-        let rate = l.rebuild_stages_per_user_per_minute;
-        match share.stages.take(1, rate, rate, now_micros) {
-            true => Ok(()),
-            false => Err(busy()),
-        }
+        let rate = self.limits.rebuild_stages_per_user_per_minute;
+        self.spend(user_id, now_micros, |u| &mut u.stages, 1, rate, rate)
     }
 
     /// A push of `mutations` for `user_id`, within the user's mutation rate.
@@ -199,15 +192,32 @@ impl Admission {
         now_micros: i64,
     ) -> Result<(), ProtocolError> {
         let l = &self.limits;
+        let cost = u64::try_from(mutations).unwrap_or(u64::MAX);
+        let per_minute = l.mutations_per_user_per_second.saturating_mul(60);
+        self.spend(
+            user_id,
+            now_micros,
+            |u| &mut u.mutations,
+            cost,
+            per_minute,
+            l.mutation_burst_per_user,
+        )
+    }
+
+    /// Takes `cost` from one of the user's buckets, refilled at
+    /// `per_minute` up to `burst`; 429 when it does not hold them.
+    fn spend(
+        &self,
+        user_id: &str,
+        now_micros: i64,
+        bucket: impl FnOnce(&mut UserShare) -> &mut Bucket,
+        cost: u64,
+        per_minute: u64,
+        burst: u64,
+    ) -> Result<(), ProtocolError> {
         let mut users = self.lock();
         let share = self.share(&mut users, user_id, now_micros);
-        let cost = u64::try_from(mutations).unwrap_or(u64::MAX);
-        match share.mutations.take(
-            cost,
-            l.mutations_per_user_per_second.saturating_mul(60),
-            l.mutation_burst_per_user,
-            now_micros,
-        ) {
+        match bucket(share).take(cost, per_minute, burst, now_micros) {
             true => Ok(()),
             false => Err(busy()),
         }
