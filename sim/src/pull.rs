@@ -62,7 +62,7 @@ pub enum Mutant {
     CrossGeneration,
     /// The store renders rebuild pages from the rows as they are now, not
     /// as staged (ADR 0017): in the store, so every client's pages. The
-    /// mutant's client has the application change a note of each page it
+    /// mutant's client has the application change a row of each page it
     /// gets, and replays the page once capture took the change.
     LivePages,
 }
@@ -629,7 +629,7 @@ pub(crate) fn is_last(effects: &[EffectView], e: &EffectView) -> bool {
         .any(|l| l.identity == e.identity && l.position > e.position)
 }
 
-/// The application changes the title of a note this rebuild page holds,
+/// The application changes a note or a template this rebuild page holds,
 /// if it holds one: whether it did.
 async fn touch_a_record(store: &MemStore, page: &[u8]) -> bool {
     let Ok(Value::Object(o)) = json::parse(page) else {
@@ -649,12 +649,13 @@ async fn touch_a_record(store: &MemStore, page: &[u8]) -> bool {
         let key: SourceImage = [("id".to_owned(), Some(id.to_owned()))]
             .into_iter()
             .collect();
-        if tx.source_row("public.notes", &key).is_some() {
-            let title: SourceImage = [("title".to_owned(), Some(format!("touched {id}")))]
-                .into_iter()
-                .collect();
-            return tx.source_update("public.notes", &key, title).is_ok()
-                && tx.commit().await.is_ok();
+        for (table, column) in [("public.notes", "title"), ("public.templates", "body")] {
+            if tx.source_row(table, &key).is_some() {
+                let changed: SourceImage = [(column.to_owned(), Some(format!("touched {id}")))]
+                    .into_iter()
+                    .collect();
+                return tx.source_update(table, &key, changed).is_ok() && tx.commit().await.is_ok();
+            }
         }
     }
     false
