@@ -139,7 +139,11 @@ impl Engine {
             group_transactions: config.capture.group_transactions,
             group_events: config.capture.group_events,
         };
-        let capture = materializer::spawn(store, &config, limits)
+        let capture_store = store
+            .capture_store()
+            .await
+            .map_err(|e| RegistryError::Config(e.to_string()))?;
+        let capture = materializer::spawn(capture_store, &config, limits)
             .await
             .map_err(RegistryError::Config)?;
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);

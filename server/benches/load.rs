@@ -9,6 +9,8 @@
 //! cargo bench -p server --bench load                       # 10, 100 and 1000 clients, 20 s each
 //! SYNCHRO_LOAD_CLIENTS=50 SYNCHRO_LOAD_SECONDS=10 cargo bench -p server --bench load
 //! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_CLIENTS=100 cargo bench -p server --bench load
+//! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_FLOODS=push,slow ...  # only some of the floods
+//! SYNCHRO_LOAD_LIMITS="pages_per_user = 2; flood_burst_per_user = 90" ...  # other limits
 //! ```
 //!
 //! The abuse profile (issue 24) runs each count twice, without and then
@@ -206,6 +208,8 @@ const ABUSER: &str = "abuser";
 #[derive(Default)]
 struct Abused {
     answers: Mutex<BTreeMap<String, usize>>,
+    /// How long each of its 1000-mutation pushes took, retries included.
+    pushes: Mutex<Vec<Duration>>,
 }
 
 impl Abused {
@@ -300,7 +304,9 @@ async fn push_flood(
             };
             c.write(&write).unwrap();
         }
+        let start = Instant::now();
         let r = c.push().await;
+        seen.pushes.lock().unwrap().push(start.elapsed());
         *seen
             .answers
             .lock()
@@ -373,8 +379,11 @@ async fn abuse(
         .unwrap()
         .as_secs();
     let token = server::auth::dev_token(secret, ABUSER, now).unwrap();
+    let floods = std::env::var("SYNCHRO_LOAD_FLOODS")
+        .unwrap_or_else(|_| "rebuild,push,registration,slow".into());
+    let on = |name: &str| floods.split(',').any(|f| f.trim() == name);
     let mut tasks = Vec::new();
-    for n in 0..16 {
+    for n in 0..16 * usize::from(on("rebuild")) {
         tasks.push(tokio::spawn(rebuild_flood(
             addr,
             token.clone(),
@@ -395,16 +404,18 @@ async fn abuse(
         7,
     )
     .unwrap();
-    if pusher.connect().await.is_ok() {
+    if on("push") && pusher.connect().await.is_ok() {
         tasks.push(tokio::spawn(push_flood(pusher, seen.clone(), stop.clone())));
     }
-    tasks.push(tokio::spawn(registration_flood(
-        addr,
-        token.clone(),
-        seen.clone(),
-        stop.clone(),
-    )));
-    for _ in 0..200 {
+    if on("registration") {
+        tasks.push(tokio::spawn(registration_flood(
+            addr,
+            token.clone(),
+            seen.clone(),
+            stop.clone(),
+        )));
+    }
+    for _ in 0..200 * usize::from(on("slow")) {
         tasks.push(tokio::spawn(slow_connection(
             addr,
             seen.clone(),
@@ -615,6 +626,8 @@ async fn run(
     println!("  grew most: {}", most.join(", "));
     if abused {
         println!("  the abuser's answers: {:?}", seen.answers.lock().unwrap());
+        let pushes: Vec<String> = seen.pushes.lock().unwrap().iter().map(|d| ms(*d)).collect();
+        println!("  the abuser's pushes took: {}", pushes.join(", "));
     }
 }
 

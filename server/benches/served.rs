@@ -17,6 +17,14 @@ impl Served {
         let config = actors::testkit::push_config_toml(actors::testkit::EXAMPLE_CONFIG.to_owned())
             .replace(".synchro/hs256.secret", secret_file)
             .replace("bootstrap_sql = \"schema.sql\"\n", "");
+        // Limits to try, in TOML (`a = 1; b = 2`), above the defaults.
+        let config = match std::env::var("SYNCHRO_LOAD_LIMITS") {
+            Ok(limits) => config.replace(
+                "[server]",
+                &format!("[limits]\n{}\n\n[server]", limits.replace(';', "\n")),
+            ),
+            Err(_) => config,
+        };
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
             .args([

@@ -184,7 +184,10 @@ async fn main() {
         .try_init();
     let cluster = PgCluster::temp().unwrap();
     println!("materializer on the notes example, {ROWS} inserted rows per workload");
-    throughput(&cluster, "one_row_tx", 1).await;
-    throughput(&cluster, "hundred_row_tx", 100).await;
+    let sizes = std::env::var("SYNCHRO_BENCH_TX_ROWS").unwrap_or_else(|_| "1,100".into());
+    for rows in sizes.split(',') {
+        let rows: usize = rows.trim().parse().expect("SYNCHRO_BENCH_TX_ROWS: numbers");
+        throughput(&cluster, &format!("tx_of_{rows}"), rows).await;
+    }
     latency(&cluster).await;
 }

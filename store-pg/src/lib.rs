@@ -65,6 +65,10 @@ use sqlstate::store_error as db_error;
 /// (`503`): a database that is gone is reported at once, not after retries.
 pub const ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Connections of capture's own pool ([`Store::capture_store`]): the
+/// materializer's group, and a second for what runs beside it.
+const CAPTURE_CONNECTIONS: u32 = 2;
+
 impl PgStore {
     /// Connects a pool and applies the migrations. The replication
     /// connection of capture uses the same server and `password`, if any.
@@ -168,6 +172,17 @@ impl Store for PgStore {
 
     async fn change_feed(&self) -> Result<Option<PgFeed>, StoreError> {
         capture::open(self).await
+    }
+
+    async fn capture_store(&self) -> Result<PgStore, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(CAPTURE_CONNECTIONS)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_lazy_with(self.options.clone());
+        Ok(PgStore {
+            pool,
+            ..self.clone()
+        })
     }
 
     async fn install_push(&self, targets: &[WriteTarget]) -> Result<(), StoreError> {

@@ -429,3 +429,49 @@ async fn group_waits_behind_push(pool: &sqlx::PgPool) -> bool {
     probe.rollback().await.unwrap();
     locked
 }
+
+/// Capture materializes through connections of its own: with every
+/// connection of the requests' pool held (requests queued for one), a
+/// source commit is still materialized.
+#[tokio::test]
+async fn capture_never_waits_for_a_request_connection() {
+    let cluster = PgCluster::temp().unwrap();
+    let (store, _engine) = running_engine(&cluster, "own_connections").await;
+    let pool = store.pool();
+    let mut held = Vec::new();
+    while let Ok(Ok(c)) =
+        tokio::time::timeout(std::time::Duration::from_millis(200), pool.acquire()).await
+    {
+        held.push(c);
+    }
+    assert_eq!(held.len() as u32, pool.options().get_max_connections());
+    let mut source =
+        <sqlx::PgConnection as sqlx::Connection>::connect(&cluster.url("own_connections"))
+            .await
+            .unwrap();
+    let lsn: i64 = sqlx::query_scalar(
+        "INSERT INTO public.notes (id, owner_id, title) \
+         VALUES ('00000000-0000-4000-8000-0000000000e1', 'alice', 't') \
+         RETURNING (pg_current_wal_insert_lsn() - '0/0')::int8",
+    )
+    .fetch_one(&mut source)
+    .await
+    .unwrap();
+    let mut passed = false;
+    for _ in 0..1000 {
+        let end: i64 = sqlx::query_scalar("SELECT end_lsn FROM synchro.capture_progress")
+            .fetch_one(&mut source)
+            .await
+            .unwrap();
+        if end >= lsn {
+            passed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(
+        passed,
+        "capture materialized the commit while every request connection was held"
+    );
+    drop(held);
+}

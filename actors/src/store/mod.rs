@@ -114,6 +114,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// another process leads capture.
     fn change_feed(&self) -> impl Future<Output = Result<Option<Self::Feed>, StoreError>> + Send;
 
+    /// The store capture materializes through: connections of its own
+    /// (PostgreSQL: a small pool apart from the requests'), so that requests
+    /// queued for a connection never delay materialization. Otherwise itself.
+    fn capture_store(&self) -> impl Future<Output = Result<Self, StoreError>> + Send {
+        let store = self.clone();
+        async move { Ok(store) }
+    }
+
     /// Prepares (idempotently) what push writes need: the writer role and
     /// its privileges on these tables.
     fn install_push(
