@@ -3,8 +3,9 @@
 //! flood gate before dispatch.
 //!
 //! - The flood gate: a token bucket per user over requests of every
-//!   endpoint, far above what a client makes, judged before anything of
-//!   the request is read (ADR 0018), so that a flood costs the database
+//!   endpoint, far above what a client makes, and a bound on the user's
+//!   requests in the server at once, judged before anything of the
+//!   request is read (ADR 0018), so that a flood costs the database
 //!   nothing.
 //! - Pages: pull and rebuild share the instance's page permits, and one
 //!   user holds at most `limits.pages_per_user` of them at once.
@@ -42,6 +43,8 @@ pub struct Admission {
 /// What one user holds and may still spend.
 #[derive(Clone, Debug)]
 struct UserShare {
+    /// Requests in the server, from the flood gate to their answer.
+    in_flight: usize,
     pages: usize,
     requests: Bucket,
     mutations: Bucket,
@@ -108,6 +111,26 @@ impl Drop for UserPage {
     }
 }
 
+/// A request in the server, past the flood gate: one of its user's
+/// requests in flight, returned on drop.
+pub struct RequestPermit {
+    admission: Arc<Admission>,
+    user_id: String,
+}
+
+impl Drop for RequestPermit {
+    fn drop(&mut self) {
+        let mut users = self.admission.lock();
+        if let Some(u) = users.get_mut(&self.user_id) {
+            assert!(
+                u.in_flight > 0,
+                "a user's requests in flight never go below zero"
+            );
+            u.in_flight -= 1;
+        }
+    }
+}
+
 impl Admission {
     /// Admission over `pages` (the instance's page permits) within `limits`.
     pub fn new(pages: Arc<Semaphore>, limits: LimitsConfig) -> Arc<Admission> {
@@ -163,18 +186,29 @@ impl Admission {
     }
 
     /// Any request of `user_id`, before dispatch: within the user's flood
-    /// gate. Past it, 429 before the request is read.
-    pub fn admit_request(&self, user_id: &str, now_micros: i64) -> Result<(), ProtocolError> {
+    /// gate (its request rate, and its requests in flight). Past it, 429
+    /// before the request is read. The permit is held until the answer.
+    pub fn admit_request(
+        self: &Arc<Self>,
+        user_id: &str,
+        now_micros: i64,
+    ) -> Result<RequestPermit, ProtocolError> {
         let l = &self.limits;
         let per_minute = l.flood_requests_per_user_per_second.saturating_mul(60);
-        self.spend(
-            user_id,
-            now_micros,
-            |u| &mut u.flood,
-            1,
-            per_minute,
-            l.flood_burst_per_user,
-        )
+        let mut users = self.lock();
+        let share = self.share(&mut users, user_id, now_micros);
+        if share.in_flight >= l.requests_in_flight_per_user
+            || !share
+                .flood
+                .take(1, per_minute, l.flood_burst_per_user, now_micros)
+        {
+            return Err(busy());
+        }
+        share.in_flight += 1;
+        Ok(RequestPermit {
+            admission: self.clone(),
+            user_id: user_id.to_owned(),
+        })
     }
 
     /// A new rebuild session staged for `user_id`, within the user's
@@ -235,7 +269,8 @@ impl Admission {
         let l = &self.limits;
         if users.len() >= USERS_KEPT && !users.contains_key(user_id) {
             users.retain(|_, u| {
-                u.pages > 0
+                u.in_flight > 0
+                    || u.pages > 0
                     || !u.requests.is_full(l.request_burst_per_user)
                     || !u.mutations.is_full(l.mutation_burst_per_user)
                     || !u.stages.is_full(l.rebuild_stages_per_user_per_minute)
@@ -245,6 +280,7 @@ impl Admission {
         users
             .entry(user_id.to_owned())
             .or_insert_with(|| UserShare {
+                in_flight: 0,
                 pages: 0,
                 requests: Bucket::full(l.request_burst_per_user, now_micros),
                 mutations: Bucket::full(l.mutation_burst_per_user, now_micros),
@@ -274,6 +310,7 @@ mod tests {
             rebuild_stages_per_user_per_minute: 2,
             flood_requests_per_user_per_second: 20,
             flood_burst_per_user: 4,
+            requests_in_flight_per_user: 2,
             ..LimitsConfig::default()
         }
     }
@@ -337,12 +374,24 @@ mod tests {
     fn the_flood_gate_counts_every_request_of_a_user() {
         let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
         for _ in 0..4 {
-            a.admit_request("alice", 0).unwrap();
+            drop(a.admit_request("alice", 0).unwrap());
         }
         assert!(a.admit_request("alice", 0).is_err(), "the burst is spent");
-        a.admit_request("bob", 0).unwrap();
+        drop(a.admit_request("bob", 0).unwrap());
         assert!(a.admit_request("alice", 49_999).is_err(), "not yet a token");
-        a.admit_request("alice", 50_000).unwrap();
+        drop(a.admit_request("alice", 50_000).unwrap());
+    }
+
+    #[test]
+    fn the_flood_gate_bounds_a_users_requests_in_flight() {
+        let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
+        let first = a.admit_request("alice", 0).unwrap();
+        let _second = a.admit_request("alice", 0).unwrap();
+        assert!(a.admit_request("alice", 0).is_err(), "two in flight");
+        let _bob = a.admit_request("bob", 0).unwrap();
+        drop(first);
+        // The refused request spent no token: the burst of 4 has 2 left.
+        let _third = a.admit_request("alice", 0).unwrap();
     }
 
     #[test]

@@ -71,6 +71,11 @@ pub struct LimitsConfig {
     /// ... and at once.
     #[serde(default = "default_flood_burst")]
     pub flood_burst_per_user: u64,
+    /// Requests of every endpoint one user has in the server at once:
+    /// past it, 429 at the flood gate, so that one user on many client IDs
+    /// never works the database on many requests at a time.
+    #[serde(default = "default_requests_in_flight")]
+    pub requests_in_flight_per_user: usize,
 }
 
 impl Default for LimitsConfig {
@@ -84,6 +89,7 @@ impl Default for LimitsConfig {
             request_burst_per_user: default_request_burst(),
             flood_requests_per_user_per_second: default_flood_per_second(),
             flood_burst_per_user: default_flood_burst(),
+            requests_in_flight_per_user: default_requests_in_flight(),
             mutations_per_user_per_second: default_mutations_per_second(),
             mutation_burst_per_user: default_mutation_burst(),
             rebuild_stages_per_user_per_minute: default_stages_per_minute(),
@@ -126,6 +132,11 @@ fn default_flood_per_second() -> u64 {
 
 fn default_flood_burst() -> u64 {
     300
+}
+
+/// A device sends one request at a time; a user has a few devices.
+fn default_requests_in_flight() -> usize {
+    8
 }
 
 /// Enough for a few devices rebuilding a large scope at once.
@@ -589,6 +600,7 @@ impl SyncConfig {
             l.rebuild_stages_per_user_per_minute,
             l.flood_requests_per_user_per_second,
             l.flood_burst_per_user,
+            l.requests_in_flight_per_user as u64,
         ]
         .contains(&0)
         {
@@ -604,6 +616,9 @@ impl SyncConfig {
                 "limits.flood_requests_per_user_per_second and flood_burst_per_user must be \
                  at least requests_per_user_per_second and request_burst_per_user",
             );
+        }
+        if l.requests_in_flight_per_user < l.pages_per_user {
+            return err("limits.requests_in_flight_per_user must be at least pages_per_user");
         }
         if l.mutation_burst_per_user < max_batch {
             return err("limits.mutation_burst_per_user must hold one full batch (1000)");

@@ -10,7 +10,7 @@ use protocol::error::{ErrorKind, ProtocolError};
 use protocol::json;
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
-use crate::admission::Admission;
+use crate::admission::{Admission, RequestPermit};
 use crate::capture::{CaptureHealth, CapturePlan, ReadinessLimits};
 use crate::config::SyncConfig;
 use crate::ledger::{self, Ledger};
@@ -27,6 +27,7 @@ enum RegistryMsg {
         body: Vec<u8>,
         now_micros: i64,
         reply: oneshot::Sender<Reply>,
+        in_flight: RequestPermit,
     },
     Schema {
         reply: oneshot::Sender<Reply>,
@@ -45,6 +46,9 @@ struct RequestMsg {
     body: Vec<u8>,
     now_micros: i64,
     reply: oneshot::Sender<Reply>,
+    /// The user's request in flight, until the work ends (even when the
+    /// caller stopped waiting for it).
+    in_flight: RequestPermit,
 }
 
 /// Handles to the running actors. Cheap to clone.
@@ -156,6 +160,7 @@ impl Engine {
                         body,
                         now_micros,
                         reply,
+                        in_flight,
                     } => {
                         let Ok(permit) = permits.clone().acquire_owned().await else {
                             break;
@@ -167,7 +172,7 @@ impl Engine {
                                 .await
                                 .map(|c| c.to_body());
                             let _ = reply.send(r.into());
-                            drop(permit);
+                            drop((permit, in_flight));
                         });
                     }
                     RegistryMsg::Schema { reply } => {
@@ -221,9 +226,10 @@ impl Engine {
 
     /// `POST /sync/connect` for an authenticated user.
     pub async fn connect(&self, user_id: &str, body: Vec<u8>, now_micros: i64) -> Reply {
-        if let Err(refused) = self.flood_gate(user_id, now_micros).await {
-            return refused;
-        }
+        let in_flight = match self.flood_gate(user_id, now_micros).await {
+            Ok(permit) => permit,
+            Err(refused) => return refused,
+        };
         let user_id = user_id.to_owned();
         let reply = self
             .ask(|reply| RegistryMsg::Connect {
@@ -231,6 +237,7 @@ impl Engine {
                 body,
                 now_micros,
                 reply,
+                in_flight,
             })
             .await
             .unwrap_or_else(unavailable);
@@ -256,9 +263,9 @@ impl Engine {
     /// The flood gate, before dispatch (ADR 0018): past it, `429` after
     /// `FLOOD_PAUSE`, so that a client that retries at once, ignoring
     /// `Retry-After`, is slowed instead of spinning a core on refusals.
-    async fn flood_gate(&self, user_id: &str, now_micros: i64) -> Result<(), Reply> {
+    async fn flood_gate(&self, user_id: &str, now_micros: i64) -> Result<RequestPermit, Reply> {
         match self.admission.admit_request(user_id, now_micros) {
-            Ok(()) => Ok(()),
+            Ok(permit) => Ok(permit),
             Err(e) => {
                 tokio::time::sleep(FLOOD_PAUSE).await;
                 Err(Reply::error(&e))
@@ -274,15 +281,17 @@ impl Engine {
         body: Vec<u8>,
         now_micros: i64,
     ) -> Reply {
-        if let Err(refused) = self.flood_gate(user_id, now_micros).await {
-            return refused;
-        }
+        let in_flight = match self.flood_gate(user_id, now_micros).await {
+            Ok(permit) => permit,
+            Err(refused) => return refused,
+        };
         let (reply, rx) = oneshot::channel();
         let msg = RequestMsg {
             user_id: user_id.to_owned(),
             body,
             now_micros,
             reply,
+            in_flight,
         };
         if to.send(msg).await.is_err() {
             return unavailable();
@@ -379,6 +388,7 @@ where
                 body,
                 now_micros,
                 reply,
+                in_flight,
             } = msg;
             let work = run(
                 actor.clone(),
@@ -390,7 +400,7 @@ where
             );
             tokio::spawn(async move {
                 let _ = reply.send(work.await);
-                drop(permit);
+                drop((permit, in_flight));
             });
         }
     });

@@ -105,6 +105,9 @@ pub fn config(zero_share: bool) -> SyncConfig {
     // all endpoints, below the abuser's.
     l.flood_requests_per_user_per_second = 5;
     l.flood_burst_per_user = 15;
+    // Its bound on a user's requests in the server at once: the abuser's
+    // nodes, each with resends in flight, pass it.
+    l.requests_in_flight_per_user = 4;
     l.registrations_per_user_per_hour = 10;
     c
 }

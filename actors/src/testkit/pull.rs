@@ -355,6 +355,14 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
         serve.clone(),
     );
     flood_gate(world, &gate).await;
+    let mut bounded = push_config();
+    bounded.limits.pages_per_user = 2;
+    bounded.limits.requests_in_flight_per_user = 2;
+    let crowd = Node::new(
+        Engine::start(store.clone(), bounded).await.unwrap(),
+        serve.clone(),
+    );
+    requests_in_flight(world, &crowd).await;
     fails_at_commit(world, &node).await;
     // Last: it appends manifests, and then blocks capture.
     let latest = schema_bridge(world, &node).await;
@@ -1014,6 +1022,33 @@ async fn flood_gate<W: CaptureWorld>(world: &W, node: &Node) {
         (400, "invalid_request"),
         "another user is read"
     );
+}
+
+/// The flood gate bounds a user's requests in the server at once (2
+/// here): while two of its pulls are in (waiting for a page permit), its
+/// connect, which takes no page, gets 429 before it is read; another
+/// user's connect is answered; once the pulls are, the user is read again.
+async fn requests_in_flight<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let a1 = PullClient::connect(store, node, "if-a", "if-a1").await;
+    let a2 = PullClient::connect(store, node, "if-a", "if-a2").await;
+    let fresh = |id: &str| json::to_canonical(&ConnectBody::fresh(id).to_json());
+    let held = node.engine.occupy_pull_pages().await;
+    // join! polls in order: both pulls pass the gate before the connects.
+    let (p1, p2, third, other) = tokio::join!(
+        a1.send(a1.body(10)),
+        a2.send(a2.body(10)),
+        node.send(Route::Connect, "if-a", fresh("if-a3")),
+        node.send(Route::Connect, "if-b", fresh("if-b1")),
+    );
+    assert_eq!((p1.0, p2.0), (429, 429), "no page permit was free");
+    assert_eq!(third.status, 429, "two requests of the user were in");
+    let v = json::parse(&third.body).unwrap();
+    assert_eq!((code(&v), third.retry_after), ("retry_later", Some(5)));
+    assert_eq!(other.status, 200, "another user is read");
+    drop(held);
+    let again = node.send(Route::Connect, "if-a", fresh("if-a3")).await;
+    assert_eq!(again.status, 200, "the user's requests were answered");
 }
 
 /// The store-conformance suite for what pull reads and writes, on a fresh store.
