@@ -92,41 +92,45 @@ impl Bucket {
 /// user's share, both returned on drop.
 pub struct PagePermit {
     _page: OwnedSemaphorePermit,
-    _share: UserPage,
-}
-
-/// One page of a user's share, returned on drop.
-struct UserPage {
-    admission: Arc<Admission>,
-    user_id: String,
-}
-
-impl Drop for UserPage {
-    fn drop(&mut self) {
-        let mut users = self.admission.lock();
-        if let Some(u) = users.get_mut(&self.user_id) {
-            assert!(u.pages > 0, "a user's pages never go below zero");
-            u.pages -= 1;
-        }
-    }
+    _share: UserHold,
 }
 
 /// A request in the server, past the flood gate: one of its user's
 /// requests in flight, returned on drop.
-pub struct RequestPermit {
+pub struct RequestPermit(UserHold);
+
+/// One unit of what a user holds (a page, a request in flight),
+/// returned on drop.
+struct UserHold {
     admission: Arc<Admission>,
     user_id: String,
+    count: fn(&mut UserShare) -> &mut usize,
 }
 
-impl Drop for RequestPermit {
+impl UserHold {
+    /// Takes one unit of `count` from `user_id`'s `share`.
+    fn take(
+        admission: &Arc<Admission>,
+        share: &mut UserShare,
+        user_id: &str,
+        count: fn(&mut UserShare) -> &mut usize,
+    ) -> UserHold {
+        *count(share) += 1;
+        UserHold {
+            admission: admission.clone(),
+            user_id: user_id.to_owned(),
+            count,
+        }
+    }
+}
+
+impl Drop for UserHold {
     fn drop(&mut self) {
         let mut users = self.admission.lock();
         if let Some(u) = users.get_mut(&self.user_id) {
-            assert!(
-                u.in_flight > 0,
-                "a user's requests in flight never go below zero"
-            );
-            u.in_flight -= 1;
+            let held = (self.count)(u);
+            assert!(*held > 0, "what a user holds never goes below zero");
+            *held -= 1;
         }
     }
 }
@@ -166,11 +170,7 @@ impl Admission {
             {
                 return Err(busy());
             }
-            share.pages += 1;
-            UserPage {
-                admission: self.clone(),
-                user_id: user_id.to_owned(),
-            }
+            UserHold::take(self, share, user_id, |u| &mut u.pages)
         };
         let page = match self.pages.clone().try_acquire_owned() {
             Ok(page) => page,
@@ -204,11 +204,9 @@ impl Admission {
         {
             return Err(busy());
         }
-        share.in_flight += 1;
-        Ok(RequestPermit {
-            admission: self.clone(),
-            user_id: user_id.to_owned(),
-        })
+        Ok(RequestPermit(UserHold::take(self, share, user_id, |u| {
+            &mut u.in_flight
+        })))
     }
 
     /// A new rebuild session staged for `user_id`, within the user's

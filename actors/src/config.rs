@@ -111,8 +111,8 @@ fn default_request_burst() -> u64 {
     60
 }
 
-/// Far above what a person writes, and well under what capture
-/// materializes on a small machine (about 400 a second here).
+/// Far above what a person writes; a bulk import takes the burst, then
+/// this (one user must not take all of capture on a small machine).
 fn default_mutations_per_second() -> u64 {
     200
 }
