@@ -97,7 +97,9 @@ pub struct PagePermit {
 
 /// A request in the server, past the flood gate: one of its user's
 /// requests in flight, returned on drop.
-pub struct RequestPermit(UserHold);
+pub struct RequestPermit {
+    _held: UserHold,
+}
 
 /// One unit of what a user holds (a page, a request in flight),
 /// returned on drop.
@@ -204,9 +206,9 @@ impl Admission {
         {
             return Err(busy());
         }
-        Ok(RequestPermit(UserHold::take(self, share, user_id, |u| {
-            &mut u.in_flight
-        })))
+        Ok(RequestPermit {
+            _held: UserHold::take(self, share, user_id, |u| &mut u.in_flight),
+        })
     }
 
     /// A new rebuild session staged for `user_id`, within the user's
