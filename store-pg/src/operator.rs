@@ -6,6 +6,9 @@ use protocol::position::Boundary;
 
 use crate::{PgStore, db_error};
 
+/// Further attempts of a reset that met a deadlock or a lost connection.
+const RESET_ATTEMPTS: usize = 3;
+
 /// The stream as the database records it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StreamReport {
@@ -50,11 +53,22 @@ impl PgStore {
     /// The stream reset: one transaction begins a new stream generation and
     /// owes its baseline; the capture leader (any `synchro serve` on this
     /// database) drops the old slot, creates a new one and materializes the
-    /// baseline under its snapshot. The new generation.
+    /// baseline under its snapshot. The new generation. A reset that meets
+    /// a deadlock (with a pull reading what it truncates) is tried again.
     pub async fn reset_stream(&self) -> Result<u64, StoreError> {
-        let mut tx = self.begin().await?;
-        let generation = tx.reset_stream().await?;
-        tx.commit().await?;
-        Ok(generation)
+        let mut attempt = 0;
+        loop {
+            let result = async {
+                let mut tx = self.begin().await?;
+                let generation = tx.reset_stream().await?;
+                tx.commit().await?;
+                Ok(generation)
+            }
+            .await;
+            match result {
+                Err(StoreError::Unavailable(_)) if attempt < RESET_ATTEMPTS => attempt += 1,
+                other => return other,
+            }
+        }
     }
 }

@@ -14,7 +14,7 @@ use super::{CaptureWorld, Write};
 use crate::Engine;
 use crate::capture::{CaptureProblem, Lsn};
 use crate::materializer::CaptureStatus;
-use crate::store::{Store, StoreTx};
+use crate::store::{Store, StoreError, StoreTx};
 
 /// The slot is dropped behind the server's back: capture blocks with
 /// `slot_lost`, readiness goes false, pull and rebuild answer `503
@@ -296,10 +296,23 @@ pub async fn stream_reset_recovers<W: CaptureWorld>(world: &W, broken: Broken) {
         g
     };
 
-    // The operator's reset.
-    let mut tx = store.begin().await.unwrap();
-    let reset_to = tx.reset_stream().await.unwrap();
-    tx.commit().await.unwrap();
+    // The operator's reset, tried again as the operator's command does
+    // when it meets a deadlock (PostgreSQL: with capture's transaction).
+    let mut attempts = 0;
+    let reset_to = loop {
+        let mut tx = store.begin().await.unwrap();
+        match tx.reset_stream().await {
+            Ok(g) => {
+                tx.commit().await.unwrap();
+                break g;
+            }
+            Err(StoreError::Unavailable(e)) if attempts < 3 => {
+                attempts += 1;
+                tracing::warn!(error = %e, "the reset is tried again");
+            }
+            Err(e) => panic!("the reset failed: {e}"),
+        }
+    };
     assert_eq!(reset_to, generation + 1);
     ready_becomes(&engine, true, "the new stream's baseline is materialized").await;
 
