@@ -1170,5 +1170,23 @@ mod validation_tests {
             |s| s.replace("[server]", "[server]\ncolour = 1"),
             "unknown field `colour`",
         );
+        rejects(
+            |s| {
+                s.replace(
+                    "[server]",
+                    "[limits]\nrequests_in_flight_per_user = 0\n\n[server]",
+                )
+            },
+            "limits: every limit must be positive",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "[server]",
+                    "[limits]\npages_per_user = 4\nrequests_in_flight_per_user = 3\n\n[server]",
+                )
+            },
+            "limits.requests_in_flight_per_user must be at least pages_per_user",
+        );
     }
 }
