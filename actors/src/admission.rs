@@ -386,12 +386,15 @@ mod tests {
     fn the_flood_gate_bounds_a_users_requests_in_flight() {
         let a = Admission::new(Arc::new(Semaphore::new(1)), limits());
         let first = a.admit_request("alice", 0).unwrap();
-        let _second = a.admit_request("alice", 0).unwrap();
+        let second = a.admit_request("alice", 0).unwrap();
         assert!(a.admit_request("alice", 0).is_err(), "two in flight");
         let _bob = a.admit_request("bob", 0).unwrap();
         drop(first);
-        // The refused request spent no token: the burst of 4 has 2 left.
-        let _third = a.admit_request("alice", 0).unwrap();
+        let third = a.admit_request("alice", 0).unwrap();
+        drop((second, third));
+        // The refused request spent no token: of the burst of 4, one is left.
+        drop(a.admit_request("alice", 0).unwrap());
+        assert!(a.admit_request("alice", 0).is_err(), "the burst is spent");
     }
 
     #[test]
