@@ -104,6 +104,14 @@ pub async fn capture_gates<T: StoreTx>(
     Ok(())
 }
 
+/// A pull or rebuild that passed the gates presented the client's
+/// generation: the identity is known from now on, and a fresh-sentinel
+/// connect for it is `400 invalid_schema_reference` (ADR 0003 §2). Whether
+/// the record changed (the caller writes it).
+pub fn present_generation(client: &mut ClientRecord) -> bool {
+    !std::mem::replace(&mut client.continued, true)
+}
+
 /// Steps 4 and 6: retirement, the exact current generation, then the
 /// exact current schema.
 pub fn gates(

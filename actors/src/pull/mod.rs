@@ -135,7 +135,8 @@ impl<S: Store> Puller<S> {
         };
         self.acknowledge(&mut tx, &client, &stream, &resumed)
             .await?;
-        if changed {
+        let first_presented = attempt::present_generation(&mut client);
+        if changed || first_presented {
             tx.put_client(&client).await?;
         }
         tx.commit().await?;

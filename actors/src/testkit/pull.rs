@@ -332,6 +332,7 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     );
     capture_gates(world, &node, feed).await;
     request_errors(world, &node).await;
+    known_by_pull_and_rebuild(world, &node).await;
     stale_and_forged(world, &node).await;
     delayed_acknowledgement(world, &node).await;
     dedup_merge_and_siblings(world, &node).await;
@@ -367,6 +368,38 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     // Last: it appends manifests, and then blocks capture.
     let latest = schema_bridge(world, &node).await;
     capture_blocked(world, &latest).await;
+}
+
+/// A pull or rebuild presents the client's generation: afterwards a
+/// fresh-sentinel connect for that identity is `400
+/// invalid_schema_reference` (spec: Connect; ADR 0003 §2). Before it,
+/// the identical fresh connect is still the retry of a lost first connect.
+async fn known_by_pull_and_rebuild<W: CaptureWorld>(world: &W, node: &Node) {
+    let store = world.store();
+    let fresh = |id: &str| json::to_canonical(&ConnectBody::fresh(id).to_json());
+    let sentinel = |id: &'static str| async move {
+        let r = node.send(Route::Connect, "kn-u", fresh(id)).await;
+        let v = json::parse(&r.body).unwrap();
+        let code = (r.status != 200).then(|| super::push::error_code(&v));
+        (r.status, code)
+    };
+    let mut pulled = PullClient::connect(store, node, "kn-u", "kn-pull").await;
+    assert_eq!(
+        sentinel("kn-pull").await,
+        (200, None),
+        "a retry before any use"
+    );
+    pulled.pull(10).await;
+    assert_eq!(
+        sentinel("kn-pull").await,
+        (400, Some("invalid_schema_reference".to_owned()))
+    );
+    let mut rebuilt = PullClient::connect(store, node, "kn-u", "kn-rebuild").await;
+    rebuilt.rebuild_scope("user:kn-u", 10).await;
+    assert_eq!(
+        sentinel("kn-rebuild").await,
+        (400, Some("invalid_schema_reference".to_owned()))
+    );
 }
 
 /// While capture is quarantined, a pull answers `503 temporary_unavailable`

@@ -274,7 +274,7 @@ fn verify_row(manifest: &Manifest, o: &Value) {
     }
 }
 
-fn error_code(v: &Value) -> String {
+pub(super) fn error_code(v: &Value) -> String {
     members(&members(v)["error"])["code"]
         .as_str()
         .unwrap()
