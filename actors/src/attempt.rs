@@ -6,12 +6,13 @@
 use std::future::Future;
 
 use protocol::error::{ErrorKind, ProtocolError, UnavailableReason};
+use protocol::ids::ScopeId;
 use protocol::manifest::{Manifest, SchemaRef};
 
 use crate::capture::CaptureProgress;
-use crate::registry::store_error;
+use crate::registry::{Registry, store_error};
 use crate::reply::Reply;
-use crate::store::{ClientRecord, StoreError, StoreTx};
+use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 
 /// How often an attempt whose snapshot lost a write conflict runs again
 /// before it answers 503.
@@ -102,6 +103,26 @@ pub async fn capture_gates<T: StoreTx>(
         return Err(ProtocolError::new(ErrorKind::CapturePending).into());
     }
     Ok(())
+}
+
+/// Step 9's rematerialization gate (ADR 0020): a scope that may hold rows
+/// of a relation not yet all rematerialized under the current model is not
+/// served (`503 temporary_unavailable`): its rows could still be in the
+/// old model, or not yet in their new scopes.
+pub fn rematerialization_gate<'s, S: Store>(
+    registry: &Registry<S>,
+    progress: &CaptureProgress,
+    mut scopes: impl Iterator<Item = &'s ScopeId>,
+) -> Result<(), ProtocolError> {
+    if progress.rematerializing.is_empty()
+        || !scopes.any(|s| registry.rematerializing(&progress.rematerializing, s))
+    {
+        return Ok(());
+    }
+    Err(
+        ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })
+            .with_message("a table of this scope is being rematerialized"),
+    )
 }
 
 /// A pull or rebuild that passed the gates presented the client's

@@ -143,6 +143,7 @@ impl<S: Store> Rebuilder<S> {
         let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
+        attempt::rematerialization_gate(&self.registry, &progress, std::iter::once(&req.scope))?;
         let (session, ordinal) = match asked {
             Asked::First => {
                 let context = SessionContext {

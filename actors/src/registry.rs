@@ -22,7 +22,10 @@ use crate::capture::CaptureHealth;
 use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
 use crate::cursor::{self, CursorContext};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
-use crate::stream::{MembershipLineage, load_key_ring, reconcile_membership};
+use crate::stream::{
+    MembershipLineage, MembershipRules, load_key_ring, reconcile_membership,
+    reconcile_rematerializations,
+};
 use protocol::token::KeyRing;
 
 /// What one schema transition changed.
@@ -304,6 +307,23 @@ pub(crate) fn store_error(e: StoreError) -> ProtocolError {
     }
 }
 
+/// Each registered relation's scope templates, over the rules' whole history.
+fn rule_templates(
+    config: &SyncConfig,
+    history: &[MembershipRules],
+) -> BTreeMap<String, Vec<ScopeTemplate>> {
+    let mut out: BTreeMap<String, Vec<ScopeTemplate>> = BTreeMap::new();
+    for t in &config.tables {
+        let templates = history
+            .iter()
+            .filter(|r| r.table_id == t.table_id)
+            .flat_map(|r| &r.templates)
+            .filter_map(|s| ScopeTemplate::parse(s).ok());
+        out.entry(t.relation.clone()).or_default().extend(templates);
+    }
+    out
+}
+
 /// The registry's state: config, schema history and the store.
 pub struct Registry<S: Store> {
     store: S,
@@ -311,6 +331,8 @@ pub struct Registry<S: Store> {
     history: SchemaHistory,
     current: Arc<Manifest>,
     membership: MembershipLineage,
+    /// Registered relation -> every scope template its rules ever had.
+    templates: BTreeMap<String, Vec<ScopeTemplate>>,
     keys: KeyRing,
     minimum_client_version: Option<semver::Version>,
 }
@@ -321,6 +343,8 @@ impl<S: Store> Registry<S> {
         let mut tx = store.begin().await?;
         let history = reconcile_schema(&mut tx, &config).await?;
         let membership = reconcile_membership(&mut tx, &config).await?;
+        reconcile_rematerializations(&mut tx, &config).await?;
+        let templates = rule_templates(&config, &tx.membership_rules().await?);
         tx.commit().await?;
         let keys = load_key_ring(&store).await?;
         let current = history
@@ -339,8 +363,20 @@ impl<S: Store> Registry<S> {
             history,
             current,
             membership,
+            templates,
             keys,
             minimum_client_version,
+        })
+    }
+
+    /// Whether `scope` may hold rows of a relation still being
+    /// rematerialized (ADR 0020): a template of the relation's rules, now or
+    /// before, could produce it.
+    pub fn rematerializing(&self, relations: &BTreeSet<String>, scope: &ScopeId) -> bool {
+        relations.iter().any(|r| {
+            self.templates
+                .get(r)
+                .is_some_and(|ts| ts.iter().any(|t| t.could_produce(scope.as_str())))
         })
     }
 

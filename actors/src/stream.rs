@@ -6,11 +6,14 @@
 //! token keys every process shares, and each client's acknowledged
 //! checkpoints.
 
+use std::collections::BTreeMap;
+
 use protocol::ids::ScopeId;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 use protocol::token::{KeyRing, KeyState, TokenKey, TokenKind};
 
+use crate::capture::{Rematerialization, model_fingerprints};
 use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
 use crate::store::{Store, StoreError, StoreTx};
 
@@ -102,6 +105,11 @@ impl MembershipLineage {
     }
 }
 
+/// Canonical JSON of a table's rules: it changes exactly when they do.
+pub fn rules_fingerprint(rules: &[MembershipRule]) -> String {
+    rules_of(rules).0
+}
+
 /// The table's rules as stored: canonical JSON and the templates.
 fn rules_of(rules: &[MembershipRule]) -> (String, Vec<String>) {
     let mut templates = Vec::new();
@@ -169,6 +177,49 @@ pub async fn reconcile_membership<T: StoreTx>(
         history.extend(added);
     }
     Ok(MembershipLineage::new(&history))
+}
+
+/// Brings the rematerialization records up to the config (ADR 0020): a
+/// captured relation whose model changed owes a re-read of its rows from
+/// the start, unless a baseline is owed (it reads every row under the
+/// current model) or no record was ever kept (a store from before records:
+/// its state is taken as made under this model). A relation that left the
+/// config owes nothing. Runs in the caller's transaction.
+pub async fn reconcile_rematerializations<T: StoreTx>(
+    tx: &mut T,
+    config: &SyncConfig,
+) -> Result<(), StoreError> {
+    let stored: BTreeMap<String, Rematerialization> = tx
+        .rematerializations()
+        .await?
+        .into_iter()
+        .map(|r| (r.relation.clone(), r))
+        .collect();
+    let baseline_owed = tx.capture_progress().await?.baseline_owed;
+    let fingerprints = model_fingerprints(config);
+    let mut changed = Vec::new();
+    for (relation, fingerprint) in &fingerprints {
+        let pending = match stored.get(relation) {
+            Some(r) if &r.fingerprint == fingerprint => continue,
+            _ => !baseline_owed && !stored.is_empty(),
+        };
+        changed.push(Rematerialization {
+            relation: relation.clone(),
+            fingerprint: fingerprint.clone(),
+            pending,
+            after: None,
+            rows: 0,
+        });
+    }
+    for r in stored.values() {
+        if r.pending && !fingerprints.contains_key(&r.relation) {
+            changed.push(Rematerialization {
+                pending: false,
+                ..r.clone()
+            });
+        }
+    }
+    tx.put_rematerializations(&changed).await
 }
 
 /// The key ring every process shares: created on first start (one active

@@ -74,3 +74,11 @@ async fn a_stream_reset_recovers_a_poisoned_transaction() {
     )
     .await;
 }
+
+#[tokio::test]
+async fn a_config_change_rematerializes_its_relations() {
+    let world = Mem {
+        store: actors::testkit::example_mem_store(7).await,
+    };
+    actors::testkit::rematerialization_suite(&world).await;
+}

@@ -14,7 +14,7 @@ use std::time::Duration;
 use actors::capture::{
     Baseline, CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
     DependencyRow, Effect, Heartbeat, Lsn, Materialization, Projection, Quarantine,
-    SourceTransaction,
+    Rematerialization, RereadChunk, RereadRequest, SourceTransaction,
 };
 use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
@@ -79,6 +79,8 @@ enum Op {
     Materialize(Box<Materialization>),
     Quarantine(Quarantine),
     CompleteBaseline(Vec<u64>),
+    Rematerializations,
+    PutRematerializations(Vec<Rematerialization>),
     ResetStream,
     ScopeEffects(ScopeId, StreamPosition, Boundary),
     StreamState,
@@ -148,6 +150,8 @@ enum Answer {
     Generation(Result<u64, StoreError>),
     /// A feed: opened (leader), with the baseline it owes, or refused (standby).
     Feed(Result<Option<Option<Baseline>>, StoreError>),
+    Rematerializations(Result<Vec<Rematerialization>, StoreError>),
+    Reread(Result<RereadChunk, StoreError>),
     /// The next transaction if one came, and the feed's source end.
     FeedNext(Result<(Option<Box<SourceTransaction>>, Lsn), StoreError>),
 }
@@ -159,6 +163,7 @@ enum FeedOp {
     Next(Duration),
     BaselineChunk,
     Acknowledge(Lsn),
+    Reread(RereadRequest),
 }
 
 enum Request {
@@ -346,6 +351,7 @@ async fn serve_feed(
                 Err(e) => FeedAnswer::Next(Err(e)),
             },
             FeedOp::Acknowledge(end) => FeedAnswer::Unit(feed.acknowledge(end).await),
+            FeedOp::Reread(req) => FeedAnswer::Reread(feed.reread(&req).await),
         };
         reply(&ep, from, id, seq, answer.to_answer()).await;
         last = Some((seq, answer));
@@ -356,6 +362,7 @@ async fn serve_feed(
 enum FeedAnswer {
     Next(Result<(Option<SourceTransaction>, Lsn), StoreError>),
     Unit(Result<(), StoreError>),
+    Reread(Result<RereadChunk, StoreError>),
 }
 
 impl FeedAnswer {
@@ -365,6 +372,7 @@ impl FeedAnswer {
                 Answer::FeedNext(r.clone().map(|(t, end)| (t.map(Box::new), end)))
             }
             FeedAnswer::Unit(r) => Answer::Unit(r.clone()),
+            FeedAnswer::Reread(r) => Answer::Reread(r.clone()),
         }
     }
 }
@@ -456,6 +464,13 @@ async fn transaction(
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
+            Op::Rematerializations => (
+                Answer::Rematerializations(tx.rematerializations().await),
+                false,
+            ),
+            Op::PutRematerializations(r) => {
+                (Answer::Unit(tx.put_rematerializations(&r).await), false)
+            }
             Op::ResetStream => (Answer::Generation(tx.reset_stream().await), false),
             Op::ScopeEffects(scope, after, through) => (
                 Answer::Effects(tx.scope_effects(&scope, after, through).await),
@@ -851,6 +866,13 @@ impl ChangeFeed for RemoteFeed {
         }
     }
 
+    async fn reread(&mut self, req: &RereadRequest) -> Result<RereadChunk, StoreError> {
+        match self.call(FeedOp::Reread(req.clone())).await? {
+            Answer::Reread(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
     fn source_end(&self) -> Lsn {
         self.source_end
     }
@@ -1090,6 +1112,20 @@ impl StoreTx for RemoteTx {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }
+    }
+
+    async fn rematerializations(&mut self) -> Result<Vec<Rematerialization>, StoreError> {
+        match self.call(Op::Rematerializations).await? {
+            Answer::Rematerializations(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn put_rematerializations(
+        &mut self,
+        records: &[Rematerialization],
+    ) -> Result<(), StoreError> {
+        self.unit(Op::PutRematerializations(records.to_vec())).await
     }
 
     async fn has_stale_projections(&mut self, schema_version: u64) -> Result<bool, StoreError> {

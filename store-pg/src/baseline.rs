@@ -15,18 +15,23 @@ use sqlx::{Connection, Executor, Row};
 use tokio::sync::mpsc;
 
 use crate::db_error;
-use crate::sql::{literal, quote_relation};
+use crate::sql::{literal, quote_column, quote_relation};
+
+/// The text forms pgoutput sends (the replication session's options), for
+/// the rest of a transaction.
+pub(crate) const TEXT_FORMS: &str = "SET LOCAL DateStyle = 'ISO, YMD'; SET LOCAL TimeZone = 'UTC'; \
+     SET LOCAL extra_float_digits = 1; SET LOCAL bytea_output = 'hex'";
 
 /// Chunks read ahead of the materializer (memory stays flat).
 const READ_AHEAD: usize = 2;
 
-/// One captured relation as the baseline reads it.
-struct Source {
+/// One captured relation as the baseline (and a re-read) reads it.
+pub(crate) struct Source {
     relation: String,
     /// Every column pgoutput sends, in order.
-    columns: Vec<String>,
+    pub columns: Vec<String>,
     /// The replica identity's columns (a registered table's primary key).
-    identity: Vec<String>,
+    pub identity: Vec<String>,
     /// `(table_id, primary key)` of a registered table.
     registered: Option<(String, String)>,
 }
@@ -62,13 +67,7 @@ pub(crate) async fn start(
     )))
     .await
     .map_err(db_error)?;
-    // The text forms pgoutput sends (the replication session's options).
-    conn.execute(
-        "SET LOCAL DateStyle = 'ISO, YMD'; SET LOCAL TimeZone = 'UTC'; \
-         SET LOCAL extra_float_digits = 1; SET LOCAL bytea_output = 'hex'",
-    )
-    .await
-    .map_err(db_error)?;
+    conn.execute(TEXT_FORMS).await.map_err(db_error)?;
     let mut sources = Vec::new();
     for relation in plan.dependencies.keys() {
         sources.push(source(&mut conn, relation, None).await?);
@@ -133,7 +132,7 @@ pub(crate) async fn start(
 }
 
 /// The columns, identity and key of one relation, from the catalog.
-async fn source(
+pub(crate) async fn source(
     conn: &mut PgConnection,
     relation: &str,
     registered: Option<(String, String)>,
@@ -174,10 +173,6 @@ async fn source(
         identity,
         registered,
     })
-}
-
-fn quote_column(c: &str) -> String {
-    format!("\"{}\"", c.replace('"', "\"\""))
 }
 
 /// Streams every source's rows into `chunker`.
@@ -288,7 +283,7 @@ fn parse_row(s: &Source, line: &[u8]) -> Result<BaselineRow, StoreError> {
 }
 
 /// One field of COPY's text format: `\N` is NULL; backslash escapes.
-fn copy_field(raw: &[u8]) -> Result<Option<String>, StoreError> {
+pub(crate) fn copy_field(raw: &[u8]) -> Result<Option<String>, StoreError> {
     if raw == b"\\N" {
         return Ok(None);
     }
@@ -316,13 +311,7 @@ fn copy_field(raw: &[u8]) -> Result<Option<String>, StoreError> {
 }
 
 fn empty_chunk() -> SourceTransaction {
-    SourceTransaction {
-        commit_lsn: 0,
-        end_lsn: 0,
-        events: Vec::new(),
-        notes: Vec::new(),
-        problem: None,
-    }
+    SourceTransaction::empty(0, 0)
 }
 
 /// Fills chunks of at most `BASELINE_CHUNK_ROWS` rows and sends each one,

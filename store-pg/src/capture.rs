@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use actors::capture::{
-    Baseline, CapturePlan, CaptureProblem, ChangeFeed, ChangeKind, Lsn, SourceEvent, SourceImage,
-    SourceTransaction, VersionNote,
+    Baseline, CapturePlan, CaptureProblem, ChangeFeed, ChangeKind, Lsn, RereadChunk, RereadRequest,
+    SourceEvent, SourceImage, SourceTransaction, VersionNote,
 };
 use actors::store::StoreError;
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::baseline;
 use crate::pgoutput::{self, Message, TupleValue};
+use crate::reread;
 use crate::sql::{literal, quote_relation, to_i64};
 use crate::{PgStore, db_error};
 
@@ -392,7 +393,7 @@ pub struct PgFeed {
     /// The baseline's chunks, read in the background under its snapshot.
     chunks: Option<mpsc::Receiver<Result<SourceTransaction, StoreError>>>,
     /// Holds the session advisory lock; capture leadership ends with it.
-    _leader: PgConnection,
+    leader: PgConnection,
     relations: BTreeMap<u32, RelationInfo>,
     /// The transaction being assembled: kept across `next` calls, so a
     /// call that ends in the middle of a transaction loses nothing.
@@ -479,7 +480,7 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         started: baseline.is_none(),
         baseline,
         chunks,
-        _leader: leader,
+        leader,
         relations: BTreeMap::new(),
         open: None,
         server_wal_end: 0,
@@ -665,13 +666,7 @@ impl ChangeFeed for PgFeed {
             let mut open = self.open.take();
             match event {
                 ReplicationEvent::Begin { .. } => {
-                    open = Some(SourceTransaction {
-                        commit_lsn: 0,
-                        end_lsn: 0,
-                        events: Vec::new(),
-                        notes: Vec::new(),
-                        problem: None,
-                    });
+                    open = Some(SourceTransaction::empty(0, 0));
                 }
                 ReplicationEvent::XLogData { data, .. } => {
                     let Some(t) = open.as_mut() else { continue };
@@ -696,6 +691,20 @@ impl ChangeFeed for PgFeed {
                         }
                     }
                 }
+                ReplicationEvent::Message {
+                    transactional: true,
+                    prefix,
+                    content,
+                    ..
+                } if prefix == reread::WATERMARK_PREFIX => {
+                    let Some(t) = open.as_mut() else { continue };
+                    match String::from_utf8(content.to_vec()) {
+                        Ok(w) if t.watermark.is_none() => t.watermark = Some(w),
+                        _ => {
+                            t.problem.get_or_insert(CaptureProblem::Undecodable);
+                        }
+                    }
+                }
                 ReplicationEvent::Commit { lsn, end_lsn, .. } => {
                     if let Some(mut t) = open.take() {
                         t.commit_lsn = u64::from(lsn);
@@ -707,6 +716,10 @@ impl ChangeFeed for PgFeed {
             }
             self.open = open;
         }
+    }
+
+    async fn reread(&mut self, req: &RereadRequest) -> Result<RereadChunk, StoreError> {
+        reread::read_chunk(&mut self.leader, req).await
     }
 
     fn source_end(&self) -> Lsn {

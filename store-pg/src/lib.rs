@@ -17,6 +17,7 @@ pub mod operator;
 pub mod pgoutput;
 mod push;
 mod rebuild;
+mod reread;
 mod sql;
 mod sqlstate;
 mod stream;
@@ -26,7 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use actors::capture::{
     CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Heartbeat,
-    Materialization, Projection, Quarantine,
+    Materialization, Projection, Quarantine, Rematerialization,
 };
 use actors::config::DependencyAssignment;
 use actors::ledger::contract::{
@@ -487,6 +488,17 @@ impl StoreTx for PgTx {
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         self.write_quarantine(q).await
+    }
+
+    async fn rematerializations(&mut self) -> Result<Vec<Rematerialization>, StoreError> {
+        self.read_rematerializations().await
+    }
+
+    async fn put_rematerializations(
+        &mut self,
+        records: &[Rematerialization],
+    ) -> Result<(), StoreError> {
+        self.write_rematerializations(records).await
     }
 
     async fn scope_effects(

@@ -6,7 +6,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use actors::capture::{
     CaptureHealth, CaptureProblem, CaptureProgress, CapturedRow, DependencyRow, Effect, EffectOp,
-    Heartbeat, Materialization, Projection, Quarantine, SourceImage,
+    Heartbeat, Materialization, Projection, Quarantine, Rematerialization, image_from_json,
+    image_json,
 };
 use actors::store::StoreError;
 use protocol::digest::{Digest, RowIdentity};
@@ -73,30 +74,9 @@ fn projection(r: &PgRow) -> Result<Projection, StoreError> {
     })
 }
 
-fn image_json(image: &SourceImage) -> String {
-    let members = image.iter().map(|(c, v)| {
-        (
-            c.clone(),
-            v.as_ref().map_or(Value::Null, |s| Value::string(s.clone())),
-        )
-    });
-    json::to_canonical_string(&Value::Object(members.collect()))
-}
-
 fn dependency(r: &PgRow) -> Result<DependencyRow, StoreError> {
     let image: String = r.try_get("image").map_err(db_error)?;
-    let value = json::parse(image.as_bytes()).map_err(|_| integrity("dependency image"))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| integrity("dependency image"))?;
-    let image = object
-        .iter()
-        .map(|(c, v)| match v {
-            Value::Null => Ok((c.clone(), None)),
-            Value::String(s) => Ok((c.clone(), Some(s.clone()))),
-            _ => Err(integrity("dependency image value")),
-        })
-        .collect::<Result<SourceImage, _>>()?;
+    let image = image_from_json(&image).ok_or_else(|| integrity("dependency image"))?;
     Ok(DependencyRow {
         relation: r.try_get("relation").map_err(db_error)?,
         identity: r.try_get("identity").map_err(db_error)?,
@@ -221,6 +201,50 @@ const BASELINE_OWED: &str = "NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHER
 /// Satisfies client-write fences: a materialized transaction's, or those a
 /// baseline's snapshot holds. A fence whose pending row this transaction
 /// cannot see yet (decoded before visible, ADR 0014) is recorded satisfied.
+/// Upserts rematerialization records, one statement.
+async fn write_rematerializations(
+    tx: &mut sqlx::PgConnection,
+    records: &[Rematerialization],
+) -> Result<(), StoreError> {
+    if records.is_empty() {
+        return Ok(());
+    }
+    let rows = records
+        .iter()
+        .map(|r| to_i64(r.rows))
+        .collect::<Result<Vec<_>, _>>()?;
+    sqlx::query(
+        "INSERT INTO synchro.rematerializations (relation, fingerprint, pending, after_key, rows) \
+         SELECT * FROM UNNEST($1::text[], $2::text[], $3::bool[], $4::text[], $5::int8[]) \
+         ON CONFLICT (relation) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, \
+           pending = EXCLUDED.pending, after_key = EXCLUDED.after_key, rows = EXCLUDED.rows",
+    )
+    .bind(
+        records
+            .iter()
+            .map(|r| r.relation.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        records
+            .iter()
+            .map(|r| r.fingerprint.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(records.iter().map(|r| r.pending).collect::<Vec<_>>())
+    .bind(
+        records
+            .iter()
+            .map(|r| r.after.as_ref().map(image_json))
+            .collect::<Vec<_>>(),
+    )
+    .bind(rows)
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    Ok(())
+}
+
 async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(), StoreError> {
     if fences.is_empty() {
         return Ok(());
@@ -245,7 +269,8 @@ async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(
 impl PgTx {
     pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         let sql = format!(
-            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, {BASELINE_OWED} \
+            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, {BASELINE_OWED}, \
+               ARRAY(SELECT relation FROM synchro.rematerializations WHERE pending) \
              FROM synchro.capture_progress"
         );
         let r = sqlx::query(&sql)
@@ -272,7 +297,49 @@ impl PgTx {
                 _ => None,
             },
             baseline_owed: r.try_get(4).map_err(db_error)?,
+            rematerializing: r
+                .try_get::<Vec<String>, _>(5)
+                .map_err(db_error)?
+                .into_iter()
+                .collect(),
         })
+    }
+
+    pub(crate) async fn read_rematerializations(
+        &mut self,
+    ) -> Result<Vec<Rematerialization>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT relation, fingerprint, pending, after_key, rows \
+             FROM synchro.rematerializations ORDER BY relation",
+        )
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        rows.iter()
+            .map(|r| {
+                let after: Option<String> = r.try_get(3).map_err(db_error)?;
+                Ok(Rematerialization {
+                    relation: r.try_get(0).map_err(db_error)?,
+                    fingerprint: r.try_get(1).map_err(db_error)?,
+                    pending: r.try_get(2).map_err(db_error)?,
+                    after: match after {
+                        None => None,
+                        Some(a) => Some(
+                            image_from_json(&a)
+                                .ok_or_else(|| integrity("a rematerialization cursor"))?,
+                        ),
+                    },
+                    rows: to_u64(r.try_get(4).map_err(db_error)?)?,
+                })
+            })
+            .collect()
+    }
+
+    pub(crate) async fn write_rematerializations(
+        &mut self,
+        records: &[Rematerialization],
+    ) -> Result<(), StoreError> {
+        write_rematerializations(&mut self.tx, records).await
     }
 
     pub(crate) async fn write_stream_reset(&mut self) -> Result<u64, StoreError> {
@@ -286,6 +353,8 @@ impl PgTx {
         .map_err(db_error)?;
         // Not published, so no capture of it; every row belongs to the old generation.
         for sql in [
+            // The new baseline reads every row under the current model.
+            "UPDATE synchro.rematerializations SET pending = false, after_key = NULL, rows = 0",
             "TRUNCATE synchro.scope_effects, synchro.projections, synchro.scope_members, \
              synchro.dependency_rows, synchro.source_transactions, synchro.client_checkpoints, \
              synchro.rebuild_stage, synchro.rebuild_sessions",
@@ -665,6 +734,7 @@ impl PgTx {
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;
         }
+        write_rematerializations(tx, &m.rematerialized).await?;
         satisfy_fences(tx, &m.fences).await
     }
 

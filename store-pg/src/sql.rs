@@ -13,6 +13,11 @@ pub(crate) fn quote_relation(relation: &str) -> String {
         .join(".")
 }
 
+/// `"column"`, quoted with its quotes doubled.
+pub(crate) fn quote_column(column: &str) -> String {
+    format!("\"{}\"", column.replace('"', "\"\""))
+}
+
 /// A string literal for SQL text (`standard_conforming_strings` is on).
 /// Callers pass no NUL: PostgreSQL text cannot hold one.
 pub(crate) fn literal(s: &str) -> String {

@@ -475,3 +475,15 @@ async fn capture_never_waits_for_a_request_connection() {
     );
     drop(held);
 }
+
+/// A restart with a changed config rematerializes the relations whose
+/// capture model changed, beside live writes, as on MemStore (ADR 0020).
+#[tokio::test]
+async fn a_config_change_rematerializes_its_relations_on_postgres() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let world = Pg {
+        store: example_store(&cluster, "evolution").await,
+    };
+    actors::testkit::rematerialization_suite(&world).await;
+}

@@ -172,6 +172,128 @@ pub struct SourceTransaction {
     pub notes: Vec<VersionNote>,
     /// Set by the feed when the transaction cannot be read as a whole.
     pub problem: Option<CaptureProblem>,
+    /// The watermark a re-read chunk's source transaction wrote (ADR 0020).
+    pub watermark: Option<String>,
+    /// The events are rows re-read under the current model, not changes:
+    /// only what differs from the stored state becomes an effect.
+    pub reread: bool,
+}
+
+impl SourceTransaction {
+    /// A transaction at these positions with nothing in it yet.
+    pub fn empty(commit_lsn: Lsn, end_lsn: Lsn) -> SourceTransaction {
+        SourceTransaction {
+            commit_lsn,
+            end_lsn,
+            events: Vec::new(),
+            notes: Vec::new(),
+            problem: None,
+            watermark: None,
+            reread: false,
+        }
+    }
+}
+
+/// A captured relation's rematerialization record (ADR 0020): the capture
+/// model its materialized state was made under, and the re-reading owed
+/// since that model changed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rematerialization {
+    pub relation: String,
+    /// What the relation's projections or dependency rows are made under
+    /// ([`model_fingerprints`]).
+    pub fingerprint: String,
+    /// Rows of the relation may still be in an older model: re-reading owed.
+    pub pending: bool,
+    /// The identity columns of the last row re-read (`None`: from the start).
+    pub after: Option<SourceImage>,
+    /// Rows re-read so far.
+    pub rows: u64,
+}
+
+/// At most this many rows in one re-read chunk.
+pub const REREAD_CHUNK_ROWS: usize = 512;
+
+/// One chunk the materializer asks a feed to re-read: the rows of
+/// `relation` after `after` in identity order, read with their row locks
+/// held until `watermark` is committed in the same source transaction, so
+/// the chunk is exactly the rows' state at the watermark's position.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RereadRequest {
+    pub relation: String,
+    /// `(table_id, primary key column)` of a registered table; `None` for a dependency relation.
+    pub registered: Option<(String, String)>,
+    pub after: Option<SourceImage>,
+    pub limit: usize,
+    pub watermark: String,
+}
+
+/// The rows one re-read chunk found, as update events with version notes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RereadChunk {
+    pub events: Vec<SourceEvent>,
+    pub notes: Vec<VersionNote>,
+}
+
+/// Canonical JSON of an image (a dependency row's key, a re-read cursor).
+pub fn image_json(image: &SourceImage) -> String {
+    let members = image.iter().map(|(c, v)| {
+        (
+            c.clone(),
+            v.as_ref().map_or(Value::Null, |s| Value::string(s.clone())),
+        )
+    });
+    protocol::json::to_canonical_string(&Value::Object(members.collect()))
+}
+
+/// The inverse of [`image_json`].
+pub fn image_from_json(text: &str) -> Option<SourceImage> {
+    let v = protocol::json::parse(text.as_bytes()).ok()?;
+    v.as_object()?
+        .iter()
+        .map(|(c, v)| match v {
+            Value::Null => Some((c.clone(), None)),
+            Value::String(s) => Some((c.clone(), Some(s.clone()))),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The capture model of each captured relation, as text that changes
+/// exactly when what capture makes of the relation's rows could: for a
+/// registered table its relation, key, field columns and types, lifecycle
+/// and scope rules; for a dependency relation that it is one.
+pub fn model_fingerprints(config: &SyncConfig) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for t in &config.tables {
+        let text = |s: &str| Value::string(s);
+        let fields = t.fields.iter().map(|f| {
+            Value::Array(vec![
+                text(&f.field_id),
+                text(&f.column),
+                text(&f.portable_type),
+                Value::Bool(f.nullable),
+                text(&format!("{:?}/{:?}", f.precision, f.scale)),
+            ])
+        });
+        let rules = crate::stream::rules_fingerprint(&t.scopes);
+        let v = protocol::json::object([
+            ("table_id", text(&t.table_id)),
+            ("primary_key", text(&t.primary_key)),
+            (
+                "deleted_at",
+                t.lifecycle.deleted_at.as_deref().map_or(Value::Null, text),
+            ),
+            ("fields", Value::Array(fields.collect())),
+            ("rules", text(&rules)),
+        ]);
+        out.insert(t.relation.clone(), protocol::json::to_canonical_string(&v));
+    }
+    for relation in CapturePlan::new(config).dependencies.keys() {
+        out.entry(relation.clone())
+            .or_insert_with(|| "{\"dependency\":true}".to_owned());
+    }
+    out
 }
 
 /// What a feed owes before its stream: the captured rows that existed when
@@ -222,6 +344,14 @@ pub trait ChangeFeed: Send {
         &mut self,
         wait: Duration,
     ) -> impl Future<Output = Result<Option<SourceTransaction>, StoreError>> + Send;
+
+    /// Re-reads one chunk of a relation and commits its watermark in the
+    /// same source transaction, the rows locked until then (ADR 0020).
+    /// The watermark arrives later through [`ChangeFeed::next`].
+    fn reread(
+        &mut self,
+        req: &RereadRequest,
+    ) -> impl Future<Output = Result<RereadChunk, StoreError>> + Send;
 
     /// The newest source WAL position the feed knows of (for lag in bytes).
     fn source_end(&self) -> Lsn;
@@ -430,6 +560,8 @@ pub struct Materialization {
     /// The stream generation the materializer read its progress in: a
     /// store refuses the write once a reset began another one.
     pub stream_generation: u64,
+    /// Rematerialization records a re-read chunk in the group moved.
+    pub rematerialized: Vec<Rematerialization>,
 }
 
 /// One row in one scope: an entry of the membership index.
@@ -497,6 +629,9 @@ pub struct CaptureProgress {
     /// The stream's baseline is not materialized yet (a new stream, or one
     /// an operator reset): nothing is pull-visible until it is.
     pub baseline_owed: bool,
+    /// Relations whose rows are not all rematerialized under the current
+    /// model yet (ADR 0020): the scopes they feed are not served.
+    pub rematerializing: BTreeSet<String>,
 }
 
 /// A transaction that could not be materialized, or a broken installation;

@@ -13,6 +13,7 @@
 
 mod baseline;
 mod model;
+mod reread;
 mod step;
 
 use std::time::Duration;
@@ -21,7 +22,7 @@ use protocol::position::Boundary;
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
 
-use crate::capture::{CaptureProblem, ChangeFeed, Heartbeat, Lsn, Quarantine};
+use crate::capture::{CaptureProblem, ChangeFeed, Heartbeat, Lsn, Quarantine, Rematerialization};
 use crate::config::SyncConfig;
 use crate::store::{Store, StoreError, StoreTx};
 pub use baseline::BaselineProgress;
@@ -50,6 +51,9 @@ pub enum CaptureStatus {
     Blocked(CaptureProblem),
     /// The store or the feed failed; retrying.
     Unavailable,
+    /// A process with another config recorded its capture model: this one
+    /// no longer captures (ADR 0020).
+    Superseded,
 }
 
 /// Records a heartbeat in its own transaction (the leader is idle or
@@ -122,7 +126,7 @@ pub async fn spawn<S: Store>(
                     }
                 }
             }
-            if status.is_closed() {
+            if status.is_closed() || *status.borrow() == CaptureStatus::Superseded {
                 return;
             }
             sleep(limits.retry).await;
@@ -176,6 +180,24 @@ async fn block_installation<S: Store>(
     Ok(())
 }
 
+/// Whether a process started with another config has recorded its capture
+/// model since this one's: this process must not materialize with its own.
+fn superseded(model: &Model, records: &[Rematerialization]) -> bool {
+    records.iter().any(|r| {
+        model
+            .fingerprints
+            .get(&r.relation)
+            .is_some_and(|f| *f != r.fingerprint)
+    })
+}
+
+/// Gives up leadership for good: a newer config is active (ADR 0020).
+fn give_way(status: &watch::Sender<CaptureStatus>) -> Result<(), StoreError> {
+    tracing::error!("capture: another configuration is active; this process no longer captures");
+    status.send_replace(CaptureStatus::Superseded);
+    Ok(())
+}
+
 /// Attempts of one group's transaction on one feed, at most.
 const GROUP_ATTEMPTS: usize = 3;
 
@@ -189,11 +211,18 @@ async fn commit_group<S: Store>(
     durable_end: Lsn,
     drained: bool,
     source_end: Lsn,
+    reread: Option<&(Lsn, Rematerialization)>,
 ) -> Result<(step::GroupOutcome, u64), StoreError> {
     let mut tx = store.begin().await?;
     let mut outcome = step::materialize_group(&mut tx, model, group).await?;
     if let Some(m) = &mut outcome.combined {
         m.stream_generation = generation;
+        // The chunk's progress commits with the chunk, if it materialized.
+        if let Some((commit_lsn, record)) = reread
+            && m.transactions.iter().any(|t| t.commit_lsn == *commit_lsn)
+        {
+            m.rematerialized.push(record.clone());
+        }
         tx.materialize(m).await?;
         if !m.fences.is_empty() {
             tx.reconcile_fences().await?;
@@ -225,13 +254,24 @@ async fn lead<S: Store>(
     limits: MaterializerLimits,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<(), StoreError> {
-    let (progress, generation) = {
+    let (progress, generation, records) = {
         let mut tx = store.begin().await?;
         let p = tx.capture_progress().await?;
         let generation = tx.stream_state().await?.generation;
+        let records = tx.rematerializations().await?;
         tx.commit().await?;
-        (p, generation)
+        (p, generation, records)
     };
+    if superseded(model, &records) {
+        return give_way(status);
+    }
+    let mut rereading = reread::Rereading::new(records, model);
+    if rereading.owed() > 0 {
+        tracing::info!(
+            relations = rereading.owed(),
+            "capture: rematerializing relations whose model changed"
+        );
+    }
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
@@ -290,6 +330,9 @@ async fn lead<S: Store>(
     };
     beat(store, lag == 0, lag).await?;
     loop {
+        if blocked.is_none() {
+            rereading.request(store, &mut feed, model).await?;
+        }
         let Some(first) = feed.next(limits.heartbeat).await? else {
             if status.is_closed() {
                 return Ok(()); // the engine is gone: give up leadership
@@ -303,7 +346,11 @@ async fn lead<S: Store>(
             // no longer the stream's. The next feed takes the new baseline.
             let mut tx = store.begin().await?;
             let reset = tx.stream_state().await?.generation != generation;
+            let records = tx.rematerializations().await?;
             drop(tx);
+            if superseded(model, &records) {
+                return give_way(status);
+            }
             if reset {
                 tracing::info!("capture: the stream was reset; reopening for its baseline");
                 return Ok(());
@@ -346,6 +393,7 @@ async fn lead<S: Store>(
             group.windows(2).all(|w| w[0].end_lsn <= w[1].commit_lsn),
             "a group holds whole transactions in commit order"
         );
+        let reread = rereading.fill(&mut group);
         // A transient failure retries the group on the same feed, once
         // durable progress shows it did not commit; anything else (or a
         // commit whose answer was lost) reopens the feed from durable progress.
@@ -360,6 +408,7 @@ async fn lead<S: Store>(
                 durable_end,
                 drained,
                 source_end,
+                reread.as_ref(),
             )
             .await
             {
@@ -392,6 +441,9 @@ async fn lead<S: Store>(
             };
             durable_end = m.end_lsn;
             feed.acknowledge(durable_end).await?;
+            for record in &m.rematerialized {
+                rereading.committed(record);
+            }
             blocked = None;
             if drained {
                 caught_up = Instant::now();

@@ -127,6 +127,8 @@ pub(crate) struct Model {
     pub relation_of: BTreeMap<String, String>,
     /// Dependency relation -> the tables whose membership it decides.
     pub impacts: BTreeMap<String, Vec<Impact>>,
+    /// Captured relation -> its capture model's fingerprint (ADR 0020).
+    pub fingerprints: BTreeMap<String, String>,
 }
 
 impl Model {
@@ -190,6 +192,7 @@ impl Model {
             tables,
             relation_of,
             impacts,
+            fingerprints: crate::capture::model_fingerprints(config),
         })
     }
 

@@ -311,6 +311,9 @@ fn materialize(
                 let slot = (event.relation.clone(), identity_of(&id_columns));
                 state.set_dependency(slot, Some(new.clone()));
             }
+            // A re-read dependency row refreshes the stored image only: the
+            // tables it decides are re-read after it (ADR 0020).
+            let impacts = if source.reread { &[][..] } else { &impacts[..] };
             for impact in impacts {
                 let table = model
                     .table(&impact.table_id)
@@ -364,7 +367,7 @@ fn materialize(
                 }
             },
         };
-        let (wire, decoded, version) = match after {
+        let (wire, mut decoded, version) = match after {
             Ok(after) => after,
             Err(deleted_at) => {
                 for scope in &old_scopes {
@@ -380,8 +383,28 @@ fn materialize(
                 continue;
             }
         };
+        // A re-read row is a change only where it differs from what is stored.
+        let touched = touched
+            && !(source.reread
+                && row
+                    .before
+                    .as_ref()
+                    .is_some_and(|p| p.row == wire && p.version == version));
+        let current = model.manifest.schema_version();
+        let stale = row
+            .before
+            .as_ref()
+            .is_some_and(|p| p.schema_version != current);
+        if decoded.is_none() && stale {
+            match wire.as_object().map(|o| table.manifest.decode_row(o)) {
+                Some(Ok(d)) => decoded = Some(d),
+                // Projected under a model the current manifest cannot read:
+                // its table's rematerialization re-reads it (ADR 0020).
+                _ => continue,
+            }
+        }
         let scopes = membership(state, table, &wire)?;
-        if !touched && scopes == old_scopes {
+        if !touched && scopes == old_scopes && !stale {
             continue;
         }
         let decoded = match decoded {
@@ -599,13 +622,7 @@ fn finish(mut c: Materialization, state: &State) -> Materialization {
 
 /// Canonical JSON of identity columns: the dependency row's key.
 pub(crate) fn identity_of(identity: &SourceImage) -> String {
-    let members = identity.iter().map(|(c, v)| {
-        (
-            c.clone(),
-            v.as_ref().map_or(Value::Null, |s| Value::string(s.clone())),
-        )
-    });
-    json::to_canonical_string(&Value::Object(members.collect()))
+    crate::capture::image_json(identity)
 }
 
 #[cfg(test)]
@@ -670,7 +687,7 @@ mod tests {
             end_lsn: 11,
             events: vec![e1],
             notes: vec![n1],
-            problem: None,
+            ..SourceTransaction::empty(10, 11)
         };
         // Shares n1 with team red, then writes a note whose owner scope ID is too long.
         let share = SourceEvent {
@@ -685,7 +702,7 @@ mod tests {
             end_lsn: 21,
             events: vec![share, e2],
             notes: vec![n2],
-            problem: None,
+            ..SourceTransaction::empty(20, 21)
         };
         let outcome = materialize_group(&mut tx, &model, &[first, second])
             .await

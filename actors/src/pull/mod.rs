@@ -117,6 +117,7 @@ impl<S: Store> Puller<S> {
         let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
         attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
+        attempt::rematerialization_gate(&self.registry, &progress, req.scopes.keys())?;
         let authoritative = self.registry.assignment(&mut tx, user_id).await?;
         let changed = reconcile_assignment(&mut client, &authoritative)?;
         let scope_updates = scope_updates(&req, &authoritative);

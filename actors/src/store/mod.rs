@@ -17,7 +17,7 @@ use protocol::token::TokenKey;
 
 use crate::capture::{
     CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed, DependencyRow, Effect,
-    Heartbeat, Materialization, Projection, Quarantine,
+    Heartbeat, Materialization, Projection, Quarantine, Rematerialization,
 };
 use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
@@ -266,6 +266,17 @@ pub trait StoreTx: Send {
     fn complete_baseline(
         &mut self,
         covered_fences: &[u64],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Every captured relation's rematerialization record (ADR 0020).
+    fn rematerializations(
+        &mut self,
+    ) -> impl Future<Output = Result<Vec<Rematerialization>, StoreError>> + Send;
+
+    /// Stores these rematerialization records, replacing those of their relations.
+    fn put_rematerializations(
+        &mut self,
+        records: &[Rematerialization],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Records the transaction that blocks capture.

@@ -19,8 +19,8 @@ use super::{MemStore, MemTx};
 use crate::capture::{
     BASELINE_CHUNK_ROWS, Baseline, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
     ChangeKind, DependencyRow, Effect, Lsn, Materialization, MaterializedTransaction, Projection,
-    Quarantine, SourceEvent, SourceImage, SourceTransaction, VersionNote, baseline_chunks,
-    baseline_position,
+    Quarantine, Rematerialization, RereadChunk, RereadRequest, SourceEvent, SourceImage,
+    SourceTransaction, VersionNote, baseline_chunks, baseline_position,
 };
 use crate::store::StoreError;
 
@@ -107,6 +107,10 @@ pub(super) struct CaptureState {
     pub column_types: BTreeMap<(String, String), String>,
     /// Transactions delivered by feeds, redeliveries included.
     pub deliveries: u64,
+    /// Each captured relation's rematerialization record (ADR 0020).
+    pub(super) rematerializations: BTreeMap<String, Rematerialization>,
+    /// A planted bug: a re-read chunk of this relation finds no rows.
+    pub reread_skips: Option<String>,
 }
 
 impl CaptureState {
@@ -137,6 +141,7 @@ impl CaptureState {
                 end_lsn: 0,
                 quarantine: None,
                 baseline_owed: true,
+                rematerializing: BTreeSet::new(),
             },
             projections: BTreeMap::new(),
             dependencies: BTreeMap::new(),
@@ -151,6 +156,8 @@ impl CaptureState {
             column_types: BTreeMap::new(),
             heartbeat: None,
             members: BTreeMap::new(),
+            rematerializations: BTreeMap::new(),
+            reread_skips: None,
         }
     }
 
@@ -257,13 +264,7 @@ impl CaptureState {
         for index in 0..chunks {
             let (commit_lsn, end_lsn) = baseline_position(consistent, chunks, index)
                 .ok_or_else(|| StoreError::Integrity("no room for the baseline".into()))?;
-            let mut chunk = SourceTransaction {
-                commit_lsn,
-                end_lsn,
-                events: Vec::new(),
-                notes: Vec::new(),
-                problem: None,
-            };
+            let mut chunk = SourceTransaction::empty(commit_lsn, end_lsn);
             for (event, note) in pairs.by_ref().take(BASELINE_CHUNK_ROWS) {
                 chunk.events.push(event);
                 chunk.notes.extend(note);
@@ -291,7 +292,17 @@ impl CaptureState {
             end_lsn: 0,
             quarantine: None,
             baseline_owed: true,
+            rematerializing: BTreeSet::new(),
         };
+        // The new baseline reads every row under the current model.
+        for r in self.rematerializations.values_mut() {
+            *r = Rematerialization {
+                pending: false,
+                after: None,
+                rows: 0,
+                ..r.clone()
+            };
+        }
         self.baseline_span = None;
         self.slot_lost = false;
     }
@@ -319,13 +330,8 @@ impl CaptureState {
     }
 
     fn pending(&mut self) -> &mut SourceTransaction {
-        self.pending.get_or_insert_with(|| SourceTransaction {
-            commit_lsn: 0,
-            end_lsn: 0,
-            events: Vec::new(),
-            notes: Vec::new(),
-            problem: None,
-        })
+        self.pending
+            .get_or_insert_with(|| SourceTransaction::empty(0, 0))
     }
 
     fn captured(&self, relation: &str) -> bool {
@@ -546,7 +552,16 @@ impl MemTx {
     }
 
     pub(super) fn capture_progress(&self) -> CaptureProgress {
-        self.work.capture.progress.clone()
+        let c = &self.work.capture;
+        CaptureProgress {
+            rematerializing: c
+                .rematerializations
+                .values()
+                .filter(|r| r.pending)
+                .map(|r| r.relation.clone())
+                .collect(),
+            ..c.progress.clone()
+        }
     }
 
     pub(super) fn scope_size(&self, scope: &ScopeId) -> u64 {
@@ -722,6 +737,9 @@ impl MemTx {
                 c.satisfied_fences.insert(*f);
             }
         }
+        for r in &m.rematerialized {
+            c.rematerializations.insert(r.relation.clone(), r.clone());
+        }
         c.progress = CaptureProgress {
             boundary: Boundary::TransactionEnd {
                 commit_lsn: m.commit_lsn,
@@ -729,6 +747,7 @@ impl MemTx {
             end_lsn: m.end_lsn,
             quarantine: None,
             baseline_owed: c.progress.baseline_owed,
+            rematerializing: BTreeSet::new(),
         };
         Ok(())
     }
@@ -925,6 +944,73 @@ impl ChangeFeed for MemFeed {
                 Ok(Ok(())) => {}
             }
         }
+    }
+
+    async fn reread(&mut self, req: &RereadRequest) -> Result<RereadChunk, StoreError> {
+        let mut state = self.store.state.lock().await;
+        let c = &mut state.capture;
+        let rel = c
+            .relations
+            .get(&req.relation)
+            .ok_or_else(|| StoreError::Integrity("a re-read relation does not exist".into()))?;
+        let after = req.after.as_ref().map(|a| rel.key_of(a));
+        let start = match &after {
+            Some(k) => Bound::Excluded(k.clone()),
+            None => Bound::Unbounded,
+        };
+        let rows: Vec<(SourceImage, SourceImage)> = match c.reread_skips.as_deref() {
+            Some(r) if r == req.relation => Vec::new(),
+            _ => rel
+                .rows
+                .range((start, Bound::Unbounded))
+                .take(req.limit)
+                .map(|(k, image)| (rel.identity(k), image.clone()))
+                .collect(),
+        };
+        let mut chunk = RereadChunk::default();
+        for (identity, image) in rows {
+            if let Some((table_id, pk)) = &req.registered {
+                let key = image.get(pk).cloned().flatten().ok_or_else(|| {
+                    StoreError::Integrity("a registered row without its key".into())
+                })?;
+                let slot = (table_id.clone(), key.clone());
+                let version = match c.versions.get(&slot) {
+                    Some(v) if !v.deleted => v.version.clone(),
+                    // A row of a table registered after it was written.
+                    _ => {
+                        let mut bytes = [0u8; 16];
+                        c.rng.fill_bytes(&mut bytes);
+                        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+                        let v = RowVersion {
+                            version: version.clone(),
+                            fence: 0,
+                            deleted: false,
+                        };
+                        c.versions.insert(slot, v);
+                        version
+                    }
+                };
+                chunk.notes.push(VersionNote {
+                    table_id: table_id.clone(),
+                    key,
+                    version,
+                    fence: 0,
+                    client: false,
+                });
+            }
+            chunk.events.push(SourceEvent {
+                relation: req.relation.clone(),
+                kind: ChangeKind::Update,
+                identity,
+                new: Some(image),
+            });
+        }
+        // The watermark commits in the same (atomic) source transaction.
+        c.pending().watermark = Some(req.watermark.clone());
+        if let Some(len) = c.commit_source() {
+            self.store.log_len.send_replace(len);
+        }
+        Ok(chunk)
     }
 
     fn source_end(&self) -> Lsn {

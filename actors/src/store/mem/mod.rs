@@ -20,7 +20,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use super::{ClientRecord, Store, StoreError, StoreTx};
 use crate::capture::{
     CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Heartbeat,
-    Materialization, Projection, Quarantine,
+    Materialization, Projection, Quarantine, Rematerialization,
 };
 use crate::config::DependencyAssignment;
 use crate::ledger::contract::{
@@ -575,6 +575,21 @@ impl StoreTx for MemTx {
 
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         MemTx::quarantine(self, q);
+        Ok(())
+    }
+
+    async fn rematerializations(&mut self) -> Result<Vec<Rematerialization>, StoreError> {
+        let records = &self.work.capture.rematerializations;
+        Ok(records.values().cloned().collect())
+    }
+
+    async fn put_rematerializations(
+        &mut self,
+        records: &[Rematerialization],
+    ) -> Result<(), StoreError> {
+        for r in records {
+            (self.work.capture.rematerializations).insert(r.relation.clone(), r.clone());
+        }
         Ok(())
     }
 

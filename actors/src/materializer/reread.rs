@@ -1,0 +1,141 @@
+//! Rematerialization (ADR 0020): the rows of a relation whose capture model
+//! changed are read again, in chunks, beside live capture. A feed reads each
+//! chunk with its rows locked in a source transaction that also commits a
+//! watermark, so the chunk is exactly the rows' state at the watermark's
+//! position. When the watermark's transaction arrives, the chunk becomes its
+//! events (`reread`), materialized like any transaction: projections,
+//! membership and digests under the current model, effects where the
+//! result differs from what is stored. Progress (the last identity read)
+//! commits with the chunk's materialization, so a crash resumes at the
+//! next chunk; a watermark of a chunk read before the crash finds no chunk
+//! in flight and materializes as the empty transaction it is.
+
+use std::collections::VecDeque;
+
+use super::model::Model;
+use crate::capture::{
+    ChangeFeed, Lsn, REREAD_CHUNK_ROWS, Rematerialization, RereadChunk, RereadRequest,
+    SourceTransaction,
+};
+use crate::store::{Store, StoreError};
+
+/// The re-reading one leader owes, and the chunk it has in flight.
+pub(super) struct Rereading {
+    /// Pending records in order: dependency relations first (a table's
+    /// membership reads them), then registered tables.
+    owed: VecDeque<Rematerialization>,
+    in_flight: Option<InFlight>,
+}
+
+struct InFlight {
+    watermark: String,
+    chunk: RereadChunk,
+}
+
+impl Rereading {
+    /// The pending records of `records`, in the order they are re-read.
+    pub fn new(records: Vec<Rematerialization>, model: &Model) -> Rereading {
+        let (tables, dependencies): (Vec<_>, Vec<_>) = records
+            .into_iter()
+            .filter(|r| {
+                r.pending
+                    && (model.tables.contains_key(&r.relation)
+                        || model.impacts.contains_key(&r.relation))
+            })
+            .partition(|r| model.tables.contains_key(&r.relation));
+        Rereading {
+            owed: dependencies.into_iter().chain(tables).collect(),
+            in_flight: None,
+        }
+    }
+
+    /// Relations still owed.
+    pub fn owed(&self) -> usize {
+        self.owed.len()
+    }
+
+    /// Reads the next chunk through `feed`, unless one is in flight or nothing is owed.
+    pub async fn request<S: Store, F: ChangeFeed>(
+        &mut self,
+        store: &S,
+        feed: &mut F,
+        model: &Model,
+    ) -> Result<(), StoreError> {
+        let Some(record) = self.owed.front() else {
+            return Ok(());
+        };
+        if self.in_flight.is_some() {
+            return Ok(());
+        }
+        let nonce = store.fresh_secret().await?;
+        let watermark: String = nonce[..12].iter().map(|b| format!("{b:02x}")).collect();
+        let registered = model
+            .tables
+            .get(&record.relation)
+            .map(|t| (t.manifest.table_id().to_owned(), t.primary_key.clone()));
+        let req = RereadRequest {
+            relation: record.relation.clone(),
+            registered,
+            after: record.after.clone(),
+            limit: REREAD_CHUNK_ROWS,
+            watermark: watermark.clone(),
+        };
+        let chunk = feed.reread(&req).await?;
+        assert!(
+            chunk.events.len() <= REREAD_CHUNK_ROWS,
+            "a chunk within its limit"
+        );
+        self.in_flight = Some(InFlight { watermark, chunk });
+        Ok(())
+    }
+
+    /// Gives the in-flight chunk to the group's transaction that carries its
+    /// watermark. Its commit LSN and the record it moves the relation to.
+    pub fn fill(&mut self, group: &mut [SourceTransaction]) -> Option<(Lsn, Rematerialization)> {
+        let flight = self.in_flight.as_ref()?;
+        let t = group
+            .iter_mut()
+            .find(|t| t.watermark.as_ref() == Some(&flight.watermark))?;
+        assert!(
+            t.events.is_empty() && t.notes.is_empty(),
+            "a watermark's transaction writes nothing else"
+        );
+        t.events = flight.chunk.events.clone();
+        t.notes = flight.chunk.notes.clone();
+        t.reread = true;
+        let record = self.owed.front().expect("a chunk in flight is owed");
+        let read = flight.chunk.events.len();
+        let next = Rematerialization {
+            relation: record.relation.clone(),
+            fingerprint: record.fingerprint.clone(),
+            pending: read == REREAD_CHUNK_ROWS,
+            after: flight
+                .chunk
+                .events
+                .last()
+                .map(|e| e.identity.clone())
+                .or_else(|| record.after.clone()),
+            rows: record.rows + read as u64,
+        };
+        Some((t.commit_lsn, next))
+    }
+
+    /// The filled chunk's materialization committed with `record`.
+    pub fn committed(&mut self, record: &Rematerialization) {
+        let owed = self.owed.front_mut().expect("a committed chunk was owed");
+        assert_eq!(
+            owed.relation, record.relation,
+            "chunks of one relation in order"
+        );
+        assert!(
+            record.rows >= owed.rows,
+            "rematerialization only moves forward"
+        );
+        *owed = record.clone();
+        self.in_flight = None;
+        if !record.pending {
+            tracing::info!(relation = %record.relation, rows = record.rows, "capture: a relation was rematerialized");
+            self.owed.pop_front();
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The app evolves (ADR 0020): a restart with a config that adds a field
+//! over a column that already holds values, registers a table over
+//! existing rows, and changes a `via` rule's template. The relations'
+//! rows are rematerialized beside live writes; meanwhile the scopes they
+//! feed answer `503`; afterwards every scope holds exactly its rows under
+//! the current manifest and rules, and a client's copy verifies.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use protocol::digest::{RowIdentity, row_digest};
+use protocol::ids::ScopeId;
+use protocol::json::{self, Value};
+use protocol::position::StreamPosition;
+
+use super::capture::{fast_config, settle, stream_begun};
+use super::pull::PullClient;
+use super::transport::{Node, Transport};
+use super::{CaptureWorld, Write};
+use crate::Engine;
+use crate::capture::{CaptureProgress, Effect};
+use crate::config::SyncConfig;
+use crate::store::{Store, StoreTx};
+
+const N1: &str = "00000000-0000-4000-8000-000000000e01";
+const N2: &str = "00000000-0000-4000-8000-000000000e02";
+const N3: &str = "00000000-0000-4000-8000-000000000e03";
+const T: &str = "2026-07-18 14:00:01+00";
+
+/// The example config before: no `body` field, no templates table, notes
+/// shared into `team:` scopes.
+pub fn config_before() -> SyncConfig {
+    fast_config(|s| {
+        let body = s
+            .lines()
+            .find(|l| l.contains("fld_notes_body"))
+            .unwrap()
+            .to_owned();
+        let s = s.replace(&format!("{body}\n"), "");
+        let templates = s.find("[[tables]]\ntable_id = \"tbl_templates\"").unwrap();
+        s[..templates].to_owned()
+    })
+}
+
+/// The example config after: `body` synced, templates registered, notes
+/// shared into `group:` scopes.
+pub fn config_after() -> SyncConfig {
+    fast_config(|s| s.replace("team:{team_id}", "group:{team_id}"))
+}
+
+fn note<'a>(id: &'a str, owner: &'a str, body: Option<&'a str>) -> [(&'a str, Option<&'a str>); 7] {
+    [
+        ("id", Some(id)),
+        ("owner_id", Some(owner)),
+        ("title", Some("t")),
+        ("body", body),
+        ("pinned", Some("f")),
+        ("updated_at", Some(T)),
+        ("deleted_at", None),
+    ]
+}
+
+async fn progress<S: Store>(store: &S) -> CaptureProgress {
+    let mut tx = store.begin().await.unwrap();
+    tx.capture_progress().await.unwrap()
+}
+
+/// Each row's last effect in `scope`, through the current boundary: what
+/// a client that applied them all holds (a removal holds nothing).
+async fn held<S: Store>(store: &S, scope: &str) -> BTreeMap<RowIdentity, Effect> {
+    let mut tx = store.begin().await.unwrap();
+    let through = tx.capture_progress().await.unwrap().boundary;
+    let effects = tx
+        .scope_effects(
+            &ScopeId::parse(scope).unwrap(),
+            StreamPosition::GenerationStart,
+            through,
+        )
+        .await
+        .unwrap();
+    let mut held = BTreeMap::new();
+    for e in effects {
+        match e.op.row() {
+            Some(_) => held.insert(e.identity.clone(), e),
+            None => held.remove(&e.identity),
+        };
+    }
+    held
+}
+
+/// Runs the evolution on `world` (a fresh store with the example relations).
+pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    let before = Engine::start(store.clone(), config_before()).await.unwrap();
+    stream_begun(&store).await;
+    let lsn = world
+        .write(&[
+            Write::Insert("public.notes", &note(N1, "ev-alice", Some("b1"))),
+            Write::Insert("public.notes", &note(N2, "ev-bob", None)),
+            Write::Insert(
+                "public.templates",
+                &[
+                    ("id", Some("tpl-e")),
+                    ("name", Some("n")),
+                    ("body", Some("x")),
+                ],
+            ),
+            Write::Insert(
+                "public.note_shares",
+                &[("note_id", Some(N1)), ("team_id", Some("red"))],
+            ),
+        ])
+        .await;
+    settle(&store, lsn).await;
+    assert_eq!(held(&store, "team:red").await.len(), 1);
+    assert!(progress(&store).await.rematerializing.is_empty());
+
+    // The new config, with capture held elsewhere: the old engine gives
+    // way, and until its relations are rematerialized their scopes wait.
+    drop(before);
+    let feed = hold_capture(&store).await;
+    let after = Engine::start(store.clone(), config_after()).await.unwrap();
+    let node = Node::new(after.clone(), Arc::new(Transport::direct));
+    let owed: BTreeSet<String> = ["public.notes", "public.templates"]
+        .map(str::to_owned)
+        .into();
+    assert_eq!(progress(&store).await.rematerializing, owed);
+    let mut alice = PullClient::connect(&store, &node, "ev-alice", "ev-c").await;
+    let (status, body, retry_after) = alice.send(alice.body(10)).await;
+    assert_eq!(status, 503, "{body:?}");
+    assert_eq!(super::push::error_code(&body), "temporary_unavailable");
+    assert!(retry_after.is_some());
+    // The application keeps writing while the rows are read again.
+    let lsn = world
+        .write(&[
+            Write::Update("public.notes", &[("id", N2)], &[("body", Some("b2"))]),
+            Write::Insert("public.notes", &note(N3, "ev-alice", Some("b3"))),
+        ])
+        .await;
+    drop(feed);
+    settle(&store, lsn).await;
+    for _ in 0..2000 {
+        if progress(&store).await.rematerializing.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(progress(&store).await.rematerializing.is_empty());
+
+    // Every scope holds exactly its rows, in the current manifest: each
+    // held row's digest recomputes under it, and equals the index's.
+    let manifest = {
+        let mut tx = store.begin().await.unwrap();
+        tx.manifests().await.unwrap().pop().unwrap()
+    };
+    let expect: [(&str, &[(&str, Option<&str>)]); 5] = [
+        ("user:ev-alice", &[(N1, Some("b1")), (N3, Some("b3"))]),
+        ("user:ev-bob", &[(N2, Some("b2"))]),
+        ("group:red", &[(N1, Some("b1"))]),
+        ("team:red", &[]),
+        ("templates_public", &[("tpl-e", None)]),
+    ];
+    for (scope, rows) in expect {
+        let held = held(&store, scope).await;
+        let mut keys = Vec::new();
+        for e in held.values() {
+            let r = e.op.row().unwrap();
+            assert_eq!(r.schema_version, Some(manifest.schema_version()), "{scope}");
+            let table = manifest.table(&e.table_id).unwrap();
+            let row = json::parse(r.row.as_bytes()).unwrap();
+            let decoded = table.decode_row(row.as_object().unwrap()).unwrap();
+            let digest = row_digest(&manifest.hash(), table, &e.identity, &decoded, &r.version);
+            assert_eq!(digest, r.digest, "{scope}: the row digest recomputes");
+            let key = e.key.as_str().unwrap().to_owned();
+            let body = row.as_object().unwrap().get("fld_notes_body").cloned();
+            keys.push((key, body));
+        }
+        keys.sort_by(|a, b| a.0.cmp(&b.0));
+        let want: Vec<(String, Option<Value>)> = rows
+            .iter()
+            .map(|(k, b)| {
+                let body = (e_is_note(k)).then(|| b.map_or(Value::Null, Value::string));
+                ((*k).to_owned(), body)
+            })
+            .collect();
+        assert_eq!(keys, want, "{scope}");
+        let mut tx = store.begin().await.unwrap();
+        let members = tx
+            .scope_members(&ScopeId::parse(scope).unwrap())
+            .await
+            .unwrap();
+        let from_effects: Vec<_> = held
+            .iter()
+            .map(|(i, e)| (i.clone(), e.op.row().unwrap().digest))
+            .collect();
+        assert_eq!(members, from_effects, "{scope}: the index is the effects'");
+    }
+
+    // A client's copy verifies every row and checksum.
+    alice.sync(10).await;
+    let local = &alice.replica.scopes["user:ev-alice"].rows;
+    assert_eq!(local.len(), 2);
+    let mut tx = store.begin().await.unwrap();
+    let members = tx
+        .scope_members(&ScopeId::parse("user:ev-alice").unwrap())
+        .await
+        .unwrap();
+    let digests: Vec<_> = local.values().map(|r| r.digest).collect();
+    let want: Vec<_> = members.into_iter().map(|(_, d)| d).collect();
+    assert_eq!(digests, want);
+    drop(after);
+}
+
+fn e_is_note(key: &str) -> bool {
+    key.starts_with("00000000-")
+}
+
+/// Takes capture's leadership (once the engine that held it let go).
+async fn hold_capture<S: Store>(store: &S) -> S::Feed {
+    for _ in 0..2000 {
+        if let Some(feed) = store.change_feed().await.unwrap() {
+            return feed;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("capture's leadership was not released in 10 s");
+}
