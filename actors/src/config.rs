@@ -179,6 +179,9 @@ pub struct CaptureConfig {
     /// Readiness turns false when this much source WAL is not yet materialized.
     #[serde(default = "default_max_lag_bytes")]
     pub max_lag_bytes: u64,
+    /// Rows in one chunk of a rematerialization (ADR 0020).
+    #[serde(default = "default_rematerialize_chunk_rows")]
+    pub rematerialize_chunk_rows: usize,
 }
 
 impl Default for CaptureConfig {
@@ -191,8 +194,14 @@ impl Default for CaptureConfig {
             group_events: default_group_events(),
             max_lag_ms: default_max_lag_ms(),
             max_lag_bytes: default_max_lag_bytes(),
+            rematerialize_chunk_rows: default_rematerialize_chunk_rows(),
         }
     }
+}
+
+/// Rows re-read under one watermark: their locks are held that long.
+fn default_rematerialize_chunk_rows() -> usize {
+    512
 }
 
 fn default_max_lag_ms() -> u64 {
@@ -683,6 +692,9 @@ impl SyncConfig {
                 "capture.group_transactions must be 1..=100000 and capture.group_events 1..=1000000",
             );
         }
+        if !(1..=10_000).contains(&c.rematerialize_chunk_rows) {
+            return err("capture.rematerialize_chunk_rows must be 1..=10000");
+        }
         if c.max_heartbeat_age_ms <= c.heartbeat_ms {
             return err("capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms");
         }
@@ -1135,6 +1147,15 @@ mod validation_tests {
         rejects(
             |s| s.replace("[server]", "[capture]\nmax_lag_bytes = 0\n\n[server]"),
             "capture.max_lag_bytes must be 1..=1099511627776",
+        );
+        rejects(
+            |s| {
+                s.replace(
+                    "[server]",
+                    "[capture]\nrematerialize_chunk_rows = 0\n\n[server]",
+                )
+            },
+            "capture.rematerialize_chunk_rows must be 1..=10000",
         );
         rejects(
             |s| s.replace("[server]", "[capture]\ngroup_events = 0\n\n[server]"),

@@ -142,6 +142,7 @@ impl Engine {
             retry: Duration::from_millis(config.capture.retry_ms),
             group_transactions: config.capture.group_transactions,
             group_events: config.capture.group_events,
+            rematerialize_chunk_rows: config.capture.rematerialize_chunk_rows,
         };
         let capture_store = store
             .capture_store()

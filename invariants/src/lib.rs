@@ -12,6 +12,7 @@
 
 pub mod admission;
 pub mod capture;
+pub mod evolution;
 pub mod pull;
 pub mod push;
 pub mod rebuild;

@@ -375,7 +375,10 @@ async fn write_existing(
     })
 }
 
-fn observe(manifest: &Manifest, e: &actors::capture::Effect) -> Result<ObservedEffect, String> {
+pub(crate) fn observe(
+    manifest: &Manifest,
+    e: &actors::capture::Effect,
+) -> Result<ObservedEffect, String> {
     let kind = match &e.op {
         EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
             let row = json::parse(r.row.as_bytes()).map_err(|_| "effect row is not JSON")?;

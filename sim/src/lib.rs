@@ -13,6 +13,7 @@ use std::time::Duration;
 
 pub mod abuse;
 pub mod capture;
+pub mod evolution;
 mod link;
 pub mod pull;
 pub mod push;

@@ -211,9 +211,6 @@ pub struct Rematerialization {
     pub rows: u64,
 }
 
-/// At most this many rows in one re-read chunk.
-pub const REREAD_CHUNK_ROWS: usize = 512;
-
 /// One chunk the materializer asks a feed to re-read: the rows of
 /// `relation` after `after` in identity order, read with their row locks
 /// held until `watermark` is committed in the same source transaction, so

@@ -80,6 +80,8 @@ pub struct MaterializerLimits {
     pub group_transactions: usize,
     /// A group stops growing once it holds this many row events.
     pub group_events: usize,
+    /// Rows in one chunk of a rematerialization.
+    pub rematerialize_chunk_rows: usize,
 }
 
 /// Starts the materializer over `store` for the config whose current
@@ -201,24 +203,30 @@ fn give_way(status: &watch::Sender<CaptureStatus>) -> Result<(), StoreError> {
 /// Attempts of one group's transaction on one feed, at most.
 const GROUP_ATTEMPTS: usize = 3;
 
+/// A group of whole source transactions, and the re-read chunk one of
+/// them carries (its commit LSN, and the record it moves its relation to).
+struct Group<'g> {
+    transactions: &'g [crate::capture::SourceTransaction],
+    reread: Option<&'g (Lsn, Rematerialization)>,
+}
+
 /// One group's database transaction: its materialization (or quarantine)
 /// and the heartbeat that reports on it. The outcome and the lag after it.
 async fn commit_group<S: Store>(
     store: &S,
     model: &Model,
-    group: &[crate::capture::SourceTransaction],
+    group: &Group<'_>,
     generation: u64,
     durable_end: Lsn,
     drained: bool,
     source_end: Lsn,
-    reread: Option<&(Lsn, Rematerialization)>,
 ) -> Result<(step::GroupOutcome, u64), StoreError> {
     let mut tx = store.begin().await?;
-    let mut outcome = step::materialize_group(&mut tx, model, group).await?;
+    let mut outcome = step::materialize_group(&mut tx, model, group.transactions).await?;
     if let Some(m) = &mut outcome.combined {
         m.stream_generation = generation;
         // The chunk's progress commits with the chunk, if it materialized.
-        if let Some((commit_lsn, record)) = reread
+        if let Some((commit_lsn, record)) = group.reread
             && m.transactions.iter().any(|t| t.commit_lsn == *commit_lsn)
         {
             m.rematerialized.push(record.clone());
@@ -265,7 +273,7 @@ async fn lead<S: Store>(
     if superseded(model, &records) {
         return give_way(status);
     }
-    let mut rereading = reread::Rereading::new(records, model);
+    let mut rereading = reread::Rereading::new(records, model, limits.rematerialize_chunk_rows);
     if rereading.owed() > 0 {
         tracing::info!(
             relations = rereading.owed(),
@@ -329,7 +337,19 @@ async fn lead<S: Store>(
         None => status.send_replace(running(boundary, caught_up, lag)),
     };
     beat(store, lag == 0, lag).await?;
+    let mut checked = Instant::now();
     loop {
+        // Busy or idle, a leader started with an older config gives way
+        // soon after a newer one recorded its model (ADR 0020).
+        if checked.elapsed() >= limits.heartbeat {
+            let mut tx = store.begin().await?;
+            let records = tx.rematerializations().await?;
+            drop(tx);
+            if superseded(model, &records) {
+                return give_way(status);
+            }
+            checked = Instant::now();
+        }
         if blocked.is_none() {
             rereading.request(store, &mut feed, model).await?;
         }
@@ -346,11 +366,7 @@ async fn lead<S: Store>(
             // no longer the stream's. The next feed takes the new baseline.
             let mut tx = store.begin().await?;
             let reset = tx.stream_state().await?.generation != generation;
-            let records = tx.rematerializations().await?;
             drop(tx);
-            if superseded(model, &records) {
-                return give_way(status);
-            }
             if reset {
                 tracing::info!("capture: the stream was reset; reopening for its baseline");
                 return Ok(());
@@ -403,12 +419,14 @@ async fn lead<S: Store>(
             let failure = match commit_group(
                 store,
                 model,
-                &group,
+                &Group {
+                    transactions: &group,
+                    reread: reread.as_ref(),
+                },
                 generation,
                 durable_end,
                 drained,
                 source_end,
-                reread.as_ref(),
             )
             .await
             {

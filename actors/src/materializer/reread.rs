@@ -14,8 +14,7 @@ use std::collections::VecDeque;
 
 use super::model::Model;
 use crate::capture::{
-    ChangeFeed, Lsn, REREAD_CHUNK_ROWS, Rematerialization, RereadChunk, RereadRequest,
-    SourceTransaction,
+    ChangeFeed, Lsn, Rematerialization, RereadChunk, RereadRequest, SourceTransaction,
 };
 use crate::store::{Store, StoreError};
 
@@ -25,6 +24,8 @@ pub(super) struct Rereading {
     /// membership reads them), then registered tables.
     owed: VecDeque<Rematerialization>,
     in_flight: Option<InFlight>,
+    /// Rows per chunk.
+    chunk_rows: usize,
 }
 
 struct InFlight {
@@ -34,7 +35,8 @@ struct InFlight {
 
 impl Rereading {
     /// The pending records of `records`, in the order they are re-read.
-    pub fn new(records: Vec<Rematerialization>, model: &Model) -> Rereading {
+    pub fn new(records: Vec<Rematerialization>, model: &Model, chunk_rows: usize) -> Rereading {
+        assert!(chunk_rows > 0, "a chunk reads rows");
         let (tables, dependencies): (Vec<_>, Vec<_>) = records
             .into_iter()
             .filter(|r| {
@@ -46,6 +48,7 @@ impl Rereading {
         Rereading {
             owed: dependencies.into_iter().chain(tables).collect(),
             in_flight: None,
+            chunk_rows,
         }
     }
 
@@ -77,12 +80,12 @@ impl Rereading {
             relation: record.relation.clone(),
             registered,
             after: record.after.clone(),
-            limit: REREAD_CHUNK_ROWS,
+            limit: self.chunk_rows,
             watermark: watermark.clone(),
         };
         let chunk = feed.reread(&req).await?;
         assert!(
-            chunk.events.len() <= REREAD_CHUNK_ROWS,
+            chunk.events.len() <= self.chunk_rows,
             "a chunk within its limit"
         );
         self.in_flight = Some(InFlight { watermark, chunk });
@@ -93,6 +96,7 @@ impl Rereading {
     /// watermark. Its commit LSN and the record it moves the relation to.
     pub fn fill(&mut self, group: &mut [SourceTransaction]) -> Option<(Lsn, Rematerialization)> {
         let flight = self.in_flight.as_ref()?;
+        let record = self.owed.front()?;
         let t = group
             .iter_mut()
             .find(|t| t.watermark.as_ref() == Some(&flight.watermark))?;
@@ -103,12 +107,11 @@ impl Rereading {
         t.events = flight.chunk.events.clone();
         t.notes = flight.chunk.notes.clone();
         t.reread = true;
-        let record = self.owed.front().expect("a chunk in flight is owed");
         let read = flight.chunk.events.len();
         let next = Rematerialization {
             relation: record.relation.clone(),
             fingerprint: record.fingerprint.clone(),
-            pending: read == REREAD_CHUNK_ROWS,
+            pending: read == self.chunk_rows,
             after: flight
                 .chunk
                 .events
@@ -122,19 +125,22 @@ impl Rereading {
 
     /// The filled chunk's materialization committed with `record`.
     pub fn committed(&mut self, record: &Rematerialization) {
-        let owed = self.owed.front_mut().expect("a committed chunk was owed");
-        assert_eq!(
-            owed.relation, record.relation,
-            "chunks of one relation in order"
-        );
         assert!(
-            record.rows >= owed.rows,
-            "rematerialization only moves forward"
+            self.owed
+                .front()
+                .is_some_and(|o| o.relation == record.relation && record.rows >= o.rows),
+            "chunks of the owed relation, in order, only forward"
         );
-        *owed = record.clone();
+        if let Some(owed) = self.owed.front_mut() {
+            *owed = record.clone();
+        }
         self.in_flight = None;
         if !record.pending {
-            tracing::info!(relation = %record.relation, rows = record.rows, "capture: a relation was rematerialized");
+            tracing::info!(
+                relation = %record.relation,
+                rows = record.rows,
+                "capture: a relation was rematerialized"
+            );
             self.owed.pop_front();
         }
     }

@@ -193,6 +193,20 @@ pub async fn stream_begun<S: Store>(store: &S) {
     panic!("the baseline was not materialized in 10 s");
 }
 
+/// Waits (up to 10 s) until no relation is owed a rematerialization (ADR 0020).
+pub async fn rematerialized<S: Store>(store: &S) {
+    for _ in 0..2000 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        drop(tx);
+        if p.rematerializing.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the rematerialization did not end in 10 s");
+}
+
 /// Waits (up to 2 s) until the engine's readiness is `want`.
 pub(super) async fn ready_becomes(engine: &Engine, want: bool, what: &str) {
     for _ in 0..400 {

@@ -14,7 +14,7 @@ use protocol::ids::ScopeId;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 
-use super::capture::{fast_config, settle, stream_begun};
+use super::capture::{fast_config, rematerialized, settle, stream_begun};
 use super::pull::PullClient;
 use super::transport::{Node, Transport};
 use super::{CaptureWorld, Write};
@@ -44,9 +44,11 @@ pub fn config_before() -> SyncConfig {
 }
 
 /// The example config after: `body` synced, templates registered, notes
-/// shared into `group:` scopes.
+/// shared into `group:` scopes; rematerialized in chunks of two rows.
 pub fn config_after() -> SyncConfig {
-    fast_config(|s| s.replace("team:{team_id}", "group:{team_id}"))
+    let mut config = fast_config(|s| s.replace("team:{team_id}", "group:{team_id}"));
+    config.capture.rematerialize_chunk_rows = 2;
+    config
 }
 
 fn note<'a>(id: &'a str, owner: &'a str, body: Option<&'a str>) -> [(&'a str, Option<&'a str>); 7] {
@@ -140,13 +142,7 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
         .await;
     drop(feed);
     settle(&store, lsn).await;
-    for _ in 0..2000 {
-        if progress(&store).await.rematerializing.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(progress(&store).await.rematerializing.is_empty());
+    rematerialized(&store).await;
 
     // Every scope holds exactly its rows, in the current manifest: each
     // held row's digest recomputes under it, and equals the index's.
@@ -154,7 +150,8 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
         let mut tx = store.begin().await.unwrap();
         tx.manifests().await.unwrap().pop().unwrap()
     };
-    let expect: [(&str, &[(&str, Option<&str>)]); 5] = [
+    type Rows<'a> = &'a [(&'a str, Option<&'a str>)];
+    let expect: [(&str, Rows<'_>); 5] = [
         ("user:ev-alice", &[(N1, Some("b1")), (N3, Some("b3"))]),
         ("user:ev-bob", &[(N2, Some("b2"))]),
         ("group:red", &[(N1, Some("b1"))]),

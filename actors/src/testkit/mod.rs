@@ -20,7 +20,7 @@ pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, invalid_owners,
     repair_resumes, stream_begun, truncate_blocks,
 };
-pub use evolution::rematerialization_suite;
+pub use evolution::{config_after, config_before, rematerialization_suite};
 pub use pull::{
     PullClient, cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_row,
     origin_cursor, pull_note, pull_store_suite, pull_suite, pull_suite_via,

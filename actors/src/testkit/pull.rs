@@ -1447,6 +1447,7 @@ async fn schema_bridge<W: CaptureWorld>(world: &W, node: &Node) -> Node {
             )
     });
     let node3 = node.with(Engine::start(store.clone(), class3).await.unwrap());
+    super::capture::rematerialized(store).await;
     let known: Vec<(String, Option<String>)> = replaced.clone().into_iter().collect();
     let v = reconnect(&node3, current.clone(), known).await;
     assert_eq!(

@@ -1002,6 +1002,7 @@ async fn changed_rules<W: CaptureWorld>(world: &W, node: &Node) {
     });
     assert_ne!(changed.tables, push_config().tables, "the rule changed");
     let restarted = node.with(Engine::start(store.clone(), changed).await.unwrap());
+    super::capture::rematerialized(store).await;
     let r = restarted
         .send(Route::Rebuild, "mr-u", c.rebuild_body(&notes_attempt, 1))
         .await;

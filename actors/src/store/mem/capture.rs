@@ -545,6 +545,13 @@ impl MemTx {
         Some(&self.work.capture.relations.get(relation)?.key)
     }
 
+    /// Every current row of `relation`, in key order.
+    pub fn source_rows(&self, relation: &str) -> Vec<SourceImage> {
+        (self.work.capture.relations.get(relation))
+            .map(|r| r.rows.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// The current source row with `key`, if any.
     pub fn source_row(&self, relation: &str, key: &SourceImage) -> Option<SourceImage> {
         let rel = self.work.capture.relations.get(relation)?;

@@ -155,6 +155,12 @@ impl MemStore {
         self.state.lock().await.capture.baseline_versions.clone()
     }
 
+    /// A planted bug: a rematerialization's re-read of `relation` finds no
+    /// rows, so rows it did not see change keep their old model (ADR 0020).
+    pub async fn plant_reread_skipping(&self, relation: &str) {
+        self.state.lock().await.capture.reread_skips = Some(relation.to_owned());
+    }
+
     /// Fault injection for a planted bug: baselines leave out the
     /// dependency relations that scope rules read.
     pub async fn plant_baseline_without_dependencies(&self) {
