@@ -202,6 +202,15 @@ pub async fn reconcile_schema<T: StoreTx>(
     if let Some(m) = next {
         let m = m.map_err(|e| RegistryError::Config(e.0.into()))?;
         tx.insert_manifest(&m).await?;
+        // A table the new manifest drops is forgotten with it (ADR 0020):
+        // a removal is class 4, so every client rebuilds without it.
+        if let Some(last) = manifests.last() {
+            for t in last.tables() {
+                if m.table(t.table_id()).is_none() {
+                    tx.forget_table(t.table_id()).await?;
+                }
+            }
+        }
         manifests.push(m);
     }
     Ok(SchemaHistory::new(manifests)?)

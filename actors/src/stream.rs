@@ -211,10 +211,14 @@ pub async fn reconcile_rematerializations<T: StoreTx>(
             rows: 0,
         });
     }
+    // A relation no longer captured owes nothing, and its record no longer
+    // matches any model: a leader still running an older config gives way.
     for r in stored.values() {
-        if r.pending && !fingerprints.contains_key(&r.relation) {
+        if !fingerprints.contains_key(&r.relation) && (r.pending || !r.fingerprint.is_empty()) {
             changed.push(Rematerialization {
+                fingerprint: String::new(),
                 pending: false,
+                after: None,
                 ..r.clone()
             });
         }

@@ -81,6 +81,7 @@ enum Op {
     CompleteBaseline(Vec<u64>),
     Rematerializations,
     PutRematerializations(Vec<Rematerialization>),
+    ForgetTable(String),
     ResetStream,
     ScopeEffects(ScopeId, StreamPosition, Boundary),
     StreamState,
@@ -464,6 +465,7 @@ async fn transaction(
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
+            Op::ForgetTable(t) => (Answer::Count(tx.forget_table(&t).await), false),
             Op::Rematerializations => (
                 Answer::Rematerializations(tx.rematerializations().await),
                 false,
@@ -1110,6 +1112,13 @@ impl StoreTx for RemoteTx {
     async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
         match self.call(Op::Quarantine(q.clone())).await? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn forget_table(&mut self, table_id: &str) -> Result<u64, StoreError> {
+        match self.call(Op::ForgetTable(table_id.to_owned())).await? {
+            Answer::Count(r) => r,
             _ => Err(mismatch()),
         }
     }

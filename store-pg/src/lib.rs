@@ -490,6 +490,10 @@ impl StoreTx for PgTx {
         self.write_quarantine(q).await
     }
 
+    async fn forget_table(&mut self, table_id: &str) -> Result<u64, StoreError> {
+        self.write_forgotten_table(table_id).await
+    }
+
     async fn rematerializations(&mut self) -> Result<Vec<Rematerialization>, StoreError> {
         self.read_rematerializations().await
     }

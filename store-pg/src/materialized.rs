@@ -305,6 +305,23 @@ impl PgTx {
         })
     }
 
+    pub(crate) async fn write_forgotten_table(
+        &mut self,
+        table_id: &str,
+    ) -> Result<u64, StoreError> {
+        let mut forgotten = 0;
+        for table in ["scope_effects", "scope_members", "projections"] {
+            let sql = format!("DELETE FROM synchro.{table} WHERE table_id = $1");
+            let done = sqlx::query(&sql)
+                .bind(table_id)
+                .execute(&mut *self.tx)
+                .await
+                .map_err(db_error)?;
+            forgotten = done.rows_affected();
+        }
+        Ok(forgotten)
+    }
+
     pub(crate) async fn read_rematerializations(
         &mut self,
     ) -> Result<Vec<Rematerialization>, StoreError> {

@@ -193,6 +193,14 @@ fn superseded(model: &Model, records: &[Rematerialization]) -> bool {
     })
 }
 
+/// The rematerialization records as they are now.
+async fn records_now<S: Store>(store: &S) -> Result<Vec<Rematerialization>, StoreError> {
+    let mut tx = store.begin().await?;
+    let records = tx.rematerializations().await?;
+    tx.commit().await?;
+    Ok(records)
+}
+
 /// Gives up leadership for good: a newer config is active (ADR 0020).
 fn give_way(status: &watch::Sender<CaptureStatus>) -> Result<(), StoreError> {
     tracing::error!("capture: another configuration is active; this process no longer captures");
@@ -342,10 +350,7 @@ async fn lead<S: Store>(
         // Busy or idle, a leader started with an older config gives way
         // soon after a newer one recorded its model (ADR 0020).
         if checked.elapsed() >= limits.heartbeat {
-            let mut tx = store.begin().await?;
-            let records = tx.rematerializations().await?;
-            drop(tx);
-            if superseded(model, &records) {
+            if superseded(model, &records_now(store).await?) {
                 return give_way(status);
             }
             checked = Instant::now();
@@ -356,6 +361,10 @@ async fn lead<S: Store>(
         let Some(first) = feed.next(limits.heartbeat).await? else {
             if status.is_closed() {
                 return Ok(()); // the engine is gone: give up leadership
+            }
+            // A newer config may have changed what is installed: it leads now.
+            if superseded(model, &records_now(store).await?) {
+                return give_way(status);
             }
             // While idle, make sure nothing that feeds capture was dropped,
             // recreated or disabled (that would silently stop the WAL).

@@ -268,6 +268,14 @@ pub trait StoreTx: Send {
         covered_fences: &[u64],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Forgets every projection, membership and effect of a table the
+    /// config no longer registers (ADR 0020): no page or checksum holds it
+    /// again. Returns the projections forgotten.
+    fn forget_table(
+        &mut self,
+        table_id: &str,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Every captured relation's rematerialization record (ADR 0020).
     fn rematerializations(
         &mut self,

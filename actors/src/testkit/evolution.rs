@@ -206,7 +206,25 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
     let digests: Vec<_> = local.values().map(|r| r.digest).collect();
     let want: Vec<_> = members.into_iter().map(|(_, d)| d).collect();
     assert_eq!(digests, want);
+    drop(tx);
+
+    // The templates table removed: its rows leave every scope with it, and
+    // a client of the new schema syncs (a removal is class 4: it rebuilds).
     drop(after);
+    let mut removed = config_after();
+    removed.tables.retain(|t| t.table_id != "tbl_templates");
+    let last = Engine::start(store.clone(), removed).await.unwrap();
+    let node = Node::new(last.clone(), Arc::new(Transport::direct));
+    assert!(held(&store, "templates_public").await.is_empty());
+    let mut tx = store.begin().await.unwrap();
+    let shared = ScopeId::parse("templates_public").unwrap();
+    assert!(tx.scope_members(&shared).await.unwrap().is_empty());
+    drop(tx);
+    rematerialized(&store).await;
+    let mut fresh = PullClient::connect(&store, &node, "ev-alice", "ev-c2").await;
+    fresh.sync(10).await;
+    assert_eq!(fresh.replica.scopes["user:ev-alice"].rows.len(), 2);
+    assert!(fresh.replica.scopes["templates_public"].rows.is_empty());
 }
 
 fn e_is_note(key: &str) -> bool {

@@ -279,6 +279,11 @@ impl CaptureState {
         Ok((baseline, out))
     }
 
+    /// Drops every effect of a table.
+    pub(super) fn forget_effects(&mut self, table_id: &str) {
+        self.effects.retain(|_, e| e.table_id != table_id);
+    }
+
     /// A stream reset: the materialized state of the old generation is
     /// gone, and a baseline is owed under a new slot (the next feed's).
     pub(super) fn reset_stream(&mut self) {

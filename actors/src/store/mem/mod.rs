@@ -584,6 +584,15 @@ impl StoreTx for MemTx {
         Ok(())
     }
 
+    async fn forget_table(&mut self, table_id: &str) -> Result<u64, StoreError> {
+        let c = &mut self.work.capture;
+        let before = c.projections.len();
+        c.projections.retain(|(t, _), _| t != table_id);
+        c.members.retain(|_, t| t != table_id);
+        c.forget_effects(table_id);
+        Ok((before - c.projections.len()) as u64)
+    }
+
     async fn rematerializations(&mut self) -> Result<Vec<Rematerialization>, StoreError> {
         let records = &self.work.capture.rematerializations;
         Ok(records.values().cloned().collect())
