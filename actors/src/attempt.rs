@@ -105,15 +105,23 @@ pub async fn capture_gates<T: StoreTx>(
     Ok(())
 }
 
-/// Step 9's rematerialization gate (ADR 0020): a scope that may hold rows
-/// of a relation not yet all rematerialized under the current model is not
-/// served (`503 temporary_unavailable`): its rows could still be in the
-/// old model, or not yet in their new scopes.
+/// Step 9's evolution gate (ADR 0020), `503 temporary_unavailable`: a
+/// process whose config is older than the newest stored manifest serves
+/// no page (a rolling deploy's old process), and a scope that may hold
+/// rows of a relation not yet all rematerialized under the current model
+/// is not served (its rows could still be in the old model, or not yet in
+/// their new scopes).
 pub fn rematerialization_gate<'s, S: Store>(
     registry: &Registry<S>,
     progress: &CaptureProgress,
     mut scopes: impl Iterator<Item = &'s ScopeId>,
 ) -> Result<(), ProtocolError> {
+    if progress.newest_schema_version > registry.current().schema_version() {
+        return Err(
+            ProtocolError::new(ErrorKind::TemporaryUnavailable { reason: None })
+                .with_message("a newer configuration is active on another process"),
+        );
+    }
     if progress.rematerializing.is_empty()
         || !scopes.any(|s| registry.rematerializing(&progress.rematerializing, s))
     {

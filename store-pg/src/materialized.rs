@@ -270,7 +270,8 @@ impl PgTx {
     pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         let sql = format!(
             "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, {BASELINE_OWED}, \
-               ARRAY(SELECT relation FROM synchro.rematerializations WHERE pending) \
+               ARRAY(SELECT relation FROM synchro.rematerializations WHERE pending), \
+               (SELECT coalesce(max(version), 0) FROM synchro.schema_manifests) \
              FROM synchro.capture_progress"
         );
         let r = sqlx::query(&sql)
@@ -302,6 +303,7 @@ impl PgTx {
                 .map_err(db_error)?
                 .into_iter()
                 .collect(),
+            newest_schema_version: to_u64(r.try_get(6).map_err(db_error)?)?,
         })
     }
 

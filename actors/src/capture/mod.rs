@@ -629,6 +629,9 @@ pub struct CaptureProgress {
     /// Relations whose rows are not all rematerialized under the current
     /// model yet (ADR 0020): the scopes they feed are not served.
     pub rematerializing: BTreeSet<String>,
+    /// The newest stored manifest's version: a process running an older
+    /// config serves no page (ADR 0020).
+    pub newest_schema_version: u64,
 }
 
 /// A transaction that could not be materialized, or a broken installation;

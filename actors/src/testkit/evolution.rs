@@ -210,10 +210,14 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
 
     // The templates table removed: its rows leave every scope with it, and
     // a client of the new schema syncs (a removal is class 4: it rebuilds).
-    drop(after);
     let mut removed = config_after();
     removed.tables.retain(|t| t.table_id != "tbl_templates");
     let last = Engine::start(store.clone(), removed).await.unwrap();
+    // The process still on the older config serves no page.
+    let (status, body, _) = alice.send(alice.body(10)).await;
+    assert_eq!(status, 503, "{body:?}");
+    assert_eq!(super::push::error_code(&body), "temporary_unavailable");
+    drop(after);
     let node = Node::new(last.clone(), Arc::new(Transport::direct));
     assert!(held(&store, "templates_public").await.is_empty());
     let mut tx = store.begin().await.unwrap();

@@ -142,6 +142,7 @@ impl CaptureState {
                 quarantine: None,
                 baseline_owed: true,
                 rematerializing: BTreeSet::new(),
+                newest_schema_version: 0,
             },
             projections: BTreeMap::new(),
             dependencies: BTreeMap::new(),
@@ -298,6 +299,7 @@ impl CaptureState {
             quarantine: None,
             baseline_owed: true,
             rematerializing: BTreeSet::new(),
+            newest_schema_version: 0,
         };
         // The new baseline reads every row under the current model.
         for r in self.rematerializations.values_mut() {
@@ -572,6 +574,7 @@ impl MemTx {
                 .filter(|r| r.pending)
                 .map(|r| r.relation.clone())
                 .collect(),
+            newest_schema_version: self.work.manifests.last().map_or(0, |m| m.schema_version()),
             ..c.progress.clone()
         }
     }
@@ -760,6 +763,7 @@ impl MemTx {
             quarantine: None,
             baseline_owed: c.progress.baseline_owed,
             rematerializing: BTreeSet::new(),
+            newest_schema_version: 0,
         };
         Ok(())
     }
