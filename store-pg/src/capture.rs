@@ -85,6 +85,27 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
         .execute(&mut *tx)
         .await
         .map_err(db_error)?;
+    // A table the config no longer registers loses its capture triggers
+    // (ADR 0020): its writes would otherwise leave version notes with no
+    // published change behind them.
+    let triggered: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT n.nspname || '.' || c.relname FROM pg_trigger g \
+         JOIN pg_class c ON c.oid = g.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE g.tgname IN ('synchro_version', 'synchro_key_guard') AND NOT g.tgisinternal",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    for relation in triggered {
+        if plan.tables.iter().all(|t| t.relation != relation) {
+            let rel = quote_relation(&relation);
+            let sql = format!(
+                "DROP TRIGGER IF EXISTS synchro_version ON {rel}; \
+                 DROP TRIGGER IF EXISTS synchro_key_guard ON {rel};"
+            );
+            tx.execute(sqlx::raw_sql(&sql)).await.map_err(db_error)?;
+        }
+    }
     for t in &plan.tables {
         let rel = quote_relation(&t.relation);
         let sql = format!(
