@@ -223,9 +223,9 @@ async fn converge(
 async fn write_some(pool: &PgPool, n: &AtomicU64, rounds: u64) {
     for _ in 0..rounds {
         let i = n.fetch_add(1, Ordering::Relaxed);
-        let owner = if i % 3 == 0 { "bob" } else { "alice" };
+        let owner = if i.is_multiple_of(3) { "bob" } else { "alice" };
         let id = format!("00000000-0000-4000-8000-{i:012x}");
-        let body = (i % 4 != 0).then(|| format!("body {i}"));
+        let body = (!i.is_multiple_of(4)).then(|| format!("body {i}"));
         sqlx::query(
             "INSERT INTO public.notes (id, owner_id, title, body) VALUES ($1::uuid, $2, $3, $4)",
         )
@@ -245,7 +245,7 @@ async fn write_some(pool: &PgPool, n: &AtomicU64, rounds: u64) {
             .await
             .unwrap();
         }
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             let old = format!("00000000-0000-4000-8000-{:012x}", i / 2);
             sqlx::query("UPDATE public.notes SET title = $2, body = $3 WHERE id = $1::uuid")
                 .bind(&old)
