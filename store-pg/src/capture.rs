@@ -321,6 +321,15 @@ async fn verify(store: &PgStore, plan: &CapturePlan) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Logs which column of a registered relation is gone (config names, no data).
+fn column_missing(relation: &str, column: &str) {
+    tracing::error!(
+        relation,
+        column,
+        "capture blocked: a column a field maps to is missing; restore it, or remove the field from the config and restart"
+    );
+}
+
 /// What broke since `install`, if anything: the slot lost, a captured
 /// relation dropped, recreated (another OID) or unpublished, or a capture
 /// trigger gone or disabled.
@@ -357,6 +366,18 @@ pub(crate) async fn check(
         return Ok(Some(CaptureProblem::RelationDrift));
     }
     for t in &plan.tables {
+        let present: Vec<String> = sqlx::query_scalar(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = to_regclass($1) \
+             AND attnum > 0 AND NOT attisdropped",
+        )
+        .bind(&t.relation)
+        .fetch_all(&store.pool)
+        .await
+        .map_err(db_error)?;
+        if let Some(missing) = t.columns.iter().find(|c| !present.contains(c)) {
+            column_missing(&t.relation, missing);
+            return Ok(Some(CaptureProblem::ColumnMissing));
+        }
         let triggers: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) \
              AND tgname IN ('synchro_version', 'synchro_key_guard') AND tgenabled <> 'D'",
@@ -423,6 +444,8 @@ pub struct PgFeed {
     server_wal_end: Lsn,
     plan_relations: BTreeSet<String>,
     registered: BTreeMap<String, String>,
+    /// Each registered relation's synced columns.
+    synced: BTreeMap<String, Vec<String>>,
 }
 
 /// Opens the feed if this process can lead capture.
@@ -511,6 +534,11 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
             .iter()
             .map(|t| (t.relation.clone(), t.primary_key.clone()))
             .collect(),
+        synced: plan
+            .tables
+            .iter()
+            .map(|t| (t.relation.clone(), t.columns.clone()))
+            .collect(),
     }))
 }
 
@@ -573,6 +601,14 @@ impl PgFeed {
                     if replica_identity != b'd' || keys != [pk] {
                         return Err(CaptureProblem::RelationDrift);
                     }
+                }
+                let synced = self.synced.get(&qualified).into_iter().flatten();
+                if let Some(missing) = synced
+                    .into_iter()
+                    .find(|s| !columns.iter().any(|(c, _)| c == *s))
+                {
+                    column_missing(&qualified, missing);
+                    return Err(CaptureProblem::ColumnMissing);
                 }
                 if let Some(previous) = self.relations.get(&oid)
                     && previous.replica_identity != replica_identity

@@ -118,6 +118,9 @@ pub enum CaptureProblem {
     /// its name: the stream cannot continue where it stopped, and only a
     /// stream reset recovers (ADR 0010).
     SlotLost,
+    /// A column that a field maps to was dropped or renamed under the
+    /// running server (ADR 0020): restore it, or change the config.
+    ColumnMissing,
 }
 
 impl CaptureProblem {
@@ -133,6 +136,7 @@ impl CaptureProblem {
             CaptureProblem::MissingProjection => "missing_projection",
             CaptureProblem::CaptureDisabled => "capture_disabled",
             CaptureProblem::SlotLost => "slot_lost",
+            CaptureProblem::ColumnMissing => "column_missing",
         }
     }
 
@@ -148,6 +152,7 @@ impl CaptureProblem {
             CaptureProblem::MissingProjection,
             CaptureProblem::CaptureDisabled,
             CaptureProblem::SlotLost,
+            CaptureProblem::ColumnMissing,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)
@@ -363,6 +368,8 @@ pub struct CapturedTable {
     pub table_id: String,
     pub relation: String,
     pub primary_key: String,
+    /// The columns its fields map to.
+    pub columns: Vec<String>,
 }
 
 /// What a store installs for capture: version triggers on registered tables,
@@ -405,6 +412,7 @@ impl CapturePlan {
                     table_id: t.table_id.clone(),
                     relation: t.relation.clone(),
                     primary_key: t.primary_key.clone(),
+                    columns: t.fields.iter().map(|f| f.column.clone()).collect(),
                 })
                 .collect(),
             dependencies,

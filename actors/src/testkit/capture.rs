@@ -150,7 +150,7 @@ fn note<'a>(id: &'a str, owner: &'a str) -> [(&'a str, Option<&'a str>); 7] {
 }
 
 /// Waits until everything committed before `lsn` is materialized (or capture blocks).
-pub(crate) async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
+pub async fn settle<S: Store>(store: &S, lsn: Lsn) -> CaptureProgress {
     for _ in 0..2000 {
         let mut tx = store.begin().await.unwrap();
         let p = tx.capture_progress().await.unwrap();

@@ -18,7 +18,7 @@ mod stream;
 mod transport;
 pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, invalid_owners,
-    repair_resumes, stream_begun, truncate_blocks,
+    rematerialized, repair_resumes, settle, stream_begun, truncate_blocks,
 };
 pub use evolution::{config_after, config_before, rematerialization_suite};
 pub use pull::{
