@@ -74,7 +74,8 @@ struct DatabaseArgs {
 #[derive(Subcommand)]
 enum StreamAction {
     /// Shows the stream's generation, its replication slot, capture's
-    /// progress, and whether a baseline is owed or capture is blocked.
+    /// progress, whether a baseline is owed or capture is blocked, and
+    /// the relations still being rematerialized.
     Status {
         #[command(flatten)]
         database: DatabaseArgs,
@@ -307,6 +308,12 @@ async fn stream(action: StreamAction) -> Result<(), String> {
     match &r.quarantine {
         Some(class) => println!("capture: blocked ({class})"),
         None => println!("capture: not blocked"),
+    }
+    if r.rematerializing.is_empty() {
+        println!("rematerializing: nothing");
+    }
+    for (relation, rows) in &r.rematerializing {
+        println!("rematerializing: {relation}, {rows} rows re-read so far");
     }
     Ok(())
 }

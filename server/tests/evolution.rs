@@ -313,6 +313,15 @@ async fn every_change_keeps_every_client_reading() {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             drop(server); // SIGKILL
+            let status = Command::new(env!("CARGO_BIN_EXE_synchro"))
+                .args(["stream", "status", "--database-url", &url])
+                .output()
+                .unwrap();
+            let out = String::from_utf8_lossy(&status.stdout);
+            assert!(
+                out.contains("rematerializing: public.notes, "),
+                "the operator sees what is owed: {out}"
+            );
             server = Server::start(dir.path(), &url).await;
         }
         // The application writes while the change is rematerialized.

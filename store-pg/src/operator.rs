@@ -22,6 +22,8 @@ pub struct StreamReport {
     pub boundary: Boundary,
     /// The class of the quarantine that blocks capture, if any.
     pub quarantine: Option<String>,
+    /// Relations still being rematerialized (ADR 0020), with the rows re-read so far.
+    pub rematerializing: Vec<(String, u64)>,
 }
 
 impl PgStore {
@@ -30,6 +32,10 @@ impl PgStore {
         let mut tx = self.begin().await?;
         let generation = tx.stream_state().await?.generation;
         let progress = tx.capture_progress().await?;
+        let rematerializing = (tx.rematerializations().await?.into_iter())
+            .filter(|r| r.pending)
+            .map(|r| (r.relation, r.rows))
+            .collect();
         drop(tx);
         let slot: Option<(String, i64, Option<String>)> = sqlx::query_as(
             "SELECT r.slot_name, r.consistent_lsn, \
@@ -47,6 +53,7 @@ impl PgStore {
             baseline_owed: progress.baseline_owed,
             boundary: progress.boundary,
             quarantine: progress.quarantine.map(|q| q.problem.as_str().to_owned()),
+            rematerializing,
         })
     }
 
