@@ -7,9 +7,14 @@
 //! baseline's own projections, membership and dependency rows again into
 //! empty tables of the same shape and indexes (`INSERT ... SELECT`, one
 //! transaction, nothing computed), and the baseline's ratio to it.
+//! Then the rematerialization of a config change (ADR 0020): the baseline
+//! runs without the notes' `body`, and a restart syncs it, so every note is
+//! re-read, projected and delivered again; its time, rows/s, ratio to the
+//! same write floor measured after it, and the server's peak RSS.
 //!
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
-//! sets the row count).
+//! sets the row count, `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's
+//! chunk, 512 by default).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
 
 use std::time::{Duration, Instant};
@@ -80,7 +85,17 @@ async fn main() {
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
-    let server = Served::start(&cluster.url("baseline_bench"), &secret_file).await;
+    // The notes' `body` is not synced yet: the rematerialization below adds it.
+    let without_body = |c: String| {
+        let line = c
+            .lines()
+            .find(|l| l.contains("fld_notes_body"))
+            .unwrap()
+            .to_owned();
+        c.replace(&format!("{line}\n"), "")
+    };
+    let server =
+        Served::start_with(&cluster.url("baseline_bench"), &secret_file, without_body).await;
     // From the candidate slot's record to the baseline committed.
     let mut began = None;
     let baseline = loop {
@@ -103,6 +118,50 @@ async fn main() {
         .unwrap();
     assert_eq!(projected as usize, notes, "every note is projected");
     let floor = write_floor(&pool).await;
+    let baseline_peak = peak;
+    // The rematerialization (ADR 0020): a restart with `body` synced, over
+    // columns that all hold values, so every note is projected, digested
+    // and delivered again.
+    drop(server);
+    let start = Instant::now();
+    let chunk_rows = std::env::var("SYNCHRO_BENCH_CHUNK_ROWS").unwrap_or_else(|_| "512".into());
+    let with_chunks = |c: String| {
+        c.replace(
+            "[server]",
+            &format!("[capture]\nrematerialize_chunk_rows = {chunk_rows}\n\n[server]"),
+        )
+    };
+    let server =
+        Served::start_with(&cluster.url("baseline_bench"), &secret_file, with_chunks).await;
+    loop {
+        let owed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM synchro.rematerializations WHERE pending")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if owed == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let remat = start.elapsed();
+    let remat_peak = peak_kib(server.child.id());
+    let reread: i64 = sqlx::query_scalar("SELECT sum(rows)::int8 FROM synchro.rematerializations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(reread as usize, notes, "every note was re-read");
+    let remat_floor = write_floor(&pool).await;
+    println!(
+        "rematerialization of {notes} notes (a field added over values): {:.2} s, {:.0} rows/s; \
+         write floor {:.2} s, {:.2}x the floor; server peak RSS {:.1} MB",
+        remat.as_secs_f64(),
+        notes as f64 / remat.as_secs_f64(),
+        remat_floor.as_secs_f64(),
+        remat.as_secs_f64() / remat_floor.as_secs_f64(),
+        remat_peak as f64 / 1024.0,
+    );
+    let peak = baseline_peak;
     println!(
         "baseline of {rows} rows ({notes} notes, {} shares): {:.2} s, {:.0} rows/s; \
          COPY of the same tables ({:.0} MB): {:.2} s; ratio {:.2}x; server peak RSS {:.1} MB; \
@@ -128,7 +187,8 @@ async fn write_floor(pool: &PgPool) -> Duration {
     let mut conn = pool.acquire().await.unwrap();
     for t in TABLES {
         sqlx::raw_sql(&format!(
-            "CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
+            "DROP TABLE IF EXISTS public.floor_{t}; \
+             CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
         ))
         .execute(&mut *conn)
         .await

@@ -12,11 +12,21 @@ pub struct Served {
 
 impl Served {
     pub async fn start(database_url: &str, secret_file: &str) -> Served {
+        Served::start_with(database_url, secret_file, |c| c).await
+    }
+
+    /// [`Served::start`] with the config `edit` makes of the example's.
+    pub async fn start_with(
+        database_url: &str,
+        secret_file: &str,
+        edit: impl Fn(String) -> String,
+    ) -> Served {
         use std::io::BufRead;
         let dir = tempfile::tempdir().unwrap();
         let config = actors::testkit::push_config_toml(actors::testkit::EXAMPLE_CONFIG.to_owned())
             .replace(".synchro/hs256.secret", secret_file)
             .replace("bootstrap_sql = \"schema.sql\"\n", "");
+        let config = edit(config);
         // Limits to try, in TOML (`a = 1; b = 2`), above the defaults.
         let config = match std::env::var("SYNCHRO_LOAD_LIMITS") {
             Ok(limits) => config.replace(
