@@ -6,7 +6,9 @@
 //! both hold exactly the rows a query of the source tables says they
 //! must: an added nullable field over a column with values, a table
 //! registered over its rows, an added required field, a changed `via`
-//! rule, a removed field and a removed table. One rematerialization is
+//! template, a `via` rule added and the `via` rules removed, the shared
+//! scopes changed, a field retyped (with its column), a removed field and
+//! a removed table. One rematerialization is
 //! killed (`SIGKILL`) halfway, and the next process resumes it.
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
@@ -45,33 +47,84 @@ fn line_of<'a>(config: &'a str, needle: &str) -> &'a str {
     config.lines().find(|l| l.contains(needle)).unwrap()
 }
 
+/// One change: its config, the SQL the application runs before it (with
+/// the server stopped), and what alice must see under it.
+struct Step {
+    what: &'static str,
+    config: String,
+    ddl: &'static str,
+    /// Notes shared with her team (a `via` rule places them in her scopes).
+    shared: bool,
+    /// Templates (registered, and their scope assigned to everyone).
+    templates: bool,
+}
+
 /// One change after another, each config the one before with one change.
-fn configs() -> Vec<(&'static str, String)> {
+fn steps() -> Vec<Step> {
     let full = base_config();
     let body = format!("{}\n", line_of(&full, "fld_notes_body"));
     let pinned = format!("{}\n", line_of(&full, "fld_notes_pinned"));
-    let templates = full
-        .find("[[tables]]\ntable_id = \"tbl_templates\"")
-        .unwrap();
-    let without_templates = full[..templates].to_owned();
-    let first = without_templates.replace(&body, "").replace(&pinned, "");
-    let with_body = without_templates.replace(&pinned, "");
+    let via = line_of(&full, "via = \"public.note_shares\"").to_owned();
+    let cut_templates =
+        |c: &str| c[..c.find("[[tables]]\ntable_id = \"tbl_templates\"").unwrap()].to_owned();
+    let first = cut_templates(&full).replace(&body, "").replace(&pinned, "");
+    let with_body = cut_templates(&full).replace(&pinned, "");
     let with_templates = full.replace(&pinned, "");
     let with_pinned = full.clone();
     let groups = full.replace("team:{team_id}", "group:{team_id}");
-    let no_body = groups.replace(&body, "");
-    let no_templates = no_body[..no_body
-        .find("[[tables]]\ntable_id = \"tbl_templates\"")
-        .unwrap()]
-        .to_owned();
+    let group_via = via.replace("team:{team_id}", "group:{team_id}");
+    let another_via = format!(
+        "{group_via}\n{}",
+        group_via.replace("group:{team_id}", "shared:{team_id}")
+    );
+    let two_vias = groups.replace(&group_via, &another_via);
+    let no_vias = groups.replace(&format!("{group_via}\n"), "");
+    let no_shared = no_vias.replace("shared = [\"templates_public\"]", "shared = []");
+    let retyped = no_shared.replace(
+        "column = \"pinned\", type = \"boolean\"",
+        "column = \"pinned\", type = \"int\"",
+    );
+    let no_body = retyped.replace(&body, "");
+    let no_templates = cut_templates(&no_body);
+    let step = |what, config: &String, ddl, shared, templates| Step {
+        what,
+        config: config.clone(),
+        ddl,
+        shared,
+        templates,
+    };
     vec![
-        ("first", first),
-        ("a nullable field added over values", with_body),
-        ("a table registered over its rows", with_templates),
-        ("a required field added", with_pinned),
-        ("a via rule's template changed", groups),
-        ("a field removed", no_body),
-        ("a table removed", no_templates),
+        step("first", &first, "", true, false),
+        step(
+            "a nullable field added over values",
+            &with_body,
+            "",
+            true,
+            false,
+        ),
+        step(
+            "a table registered over its rows",
+            &with_templates,
+            "",
+            true,
+            true,
+        ),
+        step("a required field added", &with_pinned, "", true, true),
+        step("a via rule's template changed", &groups, "", true, true),
+        step("a via rule added", &two_vias, "", true, true),
+        step("the via rules removed", &no_vias, "", false, true),
+        step("the shared scopes changed", &no_shared, "", false, false),
+        step(
+            "a field retyped",
+            &retyped,
+            "ALTER TABLE public.notes ALTER COLUMN pinned DROP DEFAULT, \
+             ALTER COLUMN pinned TYPE integer USING (CASE WHEN pinned THEN 1 ELSE 0 END), \
+             ALTER COLUMN pinned SET DEFAULT 0",
+            false,
+            false,
+        ),
+        step("a field removed", &no_body, "", false, false),
+        step("a table removed", &no_templates, "", false, false),
     ]
 }
 
@@ -130,14 +183,22 @@ fn device(dir: &Path, addr: SocketAddr, name: &str, seed: u64) -> Device {
 /// note's (title, body) and each template's name, by key.
 async fn authoritative(
     pool: &PgPool,
-    templates: bool,
+    step: &Step,
     body: bool,
 ) -> BTreeMap<String, Vec<Option<String>>> {
-    let sql = "SELECT id::text, title, body FROM public.notes n WHERE owner_id = 'alice' \
-         OR EXISTS (SELECT 1 FROM public.note_shares s JOIN public.team_members m \
-           ON m.team_id = s.team_id WHERE s.note_id = n.id AND m.user_id = 'alice')";
+    let shared = match step.shared {
+        true => {
+            "OR EXISTS (SELECT 1 FROM public.note_shares s JOIN public.team_members m \
+             ON m.team_id = s.team_id WHERE s.note_id = n.id AND m.user_id = 'alice')"
+        }
+        false => "",
+    };
+    let sql = format!(
+        "SELECT id::text, title, body FROM public.notes n WHERE owner_id = 'alice' {shared}"
+    );
+    let templates = step.templates;
     let mut want = BTreeMap::new();
-    for (id, title, b) in sqlx::query_as::<_, (String, String, Option<String>)>(sql)
+    for (id, title, b) in sqlx::query_as::<_, (String, String, Option<String>)>(&sql)
         .fetch_all(pool)
         .await
         .unwrap()
@@ -290,8 +351,12 @@ async fn every_change_keeps_every_client_reading() {
 
     let mut seed = 1;
     let mut old: Option<Device> = None;
-    for (what, config) in configs() {
-        std::fs::write(dir.path().join("config.toml"), &config).unwrap();
+    for step in steps() {
+        let (what, config) = (step.what, &step.config);
+        if !step.ddl.is_empty() {
+            sqlx::raw_sql(step.ddl).execute(&pool).await.unwrap();
+        }
+        std::fs::write(dir.path().join("config.toml"), config).unwrap();
         let mut server = Server::start(dir.path(), &url).await;
         if what == "a nullable field added over values" {
             // Killed mid-rematerialization, the next process resumes it.
@@ -335,7 +400,6 @@ async fn every_change_keeps_every_client_reading() {
                 }
             })
         };
-        let templates = config.contains("tbl_templates");
         let body = config.contains("fld_notes_body");
         let mut devices = Vec::new();
         if let Some(mut d) = old.take() {
@@ -353,7 +417,7 @@ async fn every_change_keeps_every_client_reading() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         writing.store(false, Ordering::Relaxed);
         writer.await.unwrap();
-        let want = authoritative(&pool, templates, body).await;
+        let want = authoritative(&pool, &step, body).await;
         for d in &mut devices {
             converge(d, &want, body, what).await;
         }

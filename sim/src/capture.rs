@@ -94,17 +94,17 @@ pub struct CaptureTrace {
     pub crashed_mid_baseline: bool,
 }
 
-const USERS: [&str; 3] = ["u0", "u1", "u2"];
-const TEAMS: [&str; 2] = ["t0", "t1"];
-const WHEN: &str = "2026-07-18 14:00:01+00";
+pub(crate) const USERS: [&str; 3] = ["u0", "u1", "u2"];
+pub(crate) const TEAMS: [&str; 2] = ["t0", "t1"];
+pub(crate) const WHEN: &str = "2026-07-18 14:00:01+00";
 
-fn image(cols: &[(&str, Option<String>)]) -> SourceImage {
+pub(crate) fn image(cols: &[(&str, Option<String>)]) -> SourceImage {
     cols.iter()
         .map(|(c, v)| ((*c).to_owned(), v.clone()))
         .collect()
 }
 
-fn key(cols: &[(&str, &str)]) -> SourceImage {
+pub(crate) fn key(cols: &[(&str, &str)]) -> SourceImage {
     cols.iter()
         .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
         .collect()

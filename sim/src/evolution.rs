@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actors::capture::{CapturePlan, EffectOp, SourceImage};
+use actors::capture::{CapturePlan, EffectOp};
 use actors::config::SyncConfig;
 use actors::store::{MemStore, MemTx, Store, StoreTx};
 use actors::testkit::{EXAMPLE_RELATIONS, config_after, config_before};
@@ -24,7 +24,7 @@ use protocol::ids::ScopeId;
 use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 
-use crate::capture::{observe, stream_begun};
+use crate::capture::{TEAMS, USERS, WHEN, image, key, observe, stream_begun};
 use crate::remote;
 
 /// A planted bug: the rematerialization of one relation reads no rows.
@@ -71,22 +71,6 @@ pub struct EvolutionTrace {
     pub undecodable: Vec<String>,
     /// Rows re-read by the rematerialization.
     pub reread_rows: u64,
-}
-
-const USERS: [&str; 3] = ["u0", "u1", "u2"];
-const TEAMS: [&str; 2] = ["t0", "t1"];
-const WHEN: &str = "2026-07-18 14:00:01+00";
-
-fn image(cols: &[(&str, Option<String>)]) -> SourceImage {
-    cols.iter()
-        .map(|(c, v)| ((*c).to_owned(), v.clone()))
-        .collect()
-}
-
-fn key(cols: &[(&str, &str)]) -> SourceImage {
-    cols.iter()
-        .map(|(c, v)| ((*c).to_owned(), Some((*v).to_owned())))
-        .collect()
 }
 
 /// A body, or none.

@@ -383,13 +383,15 @@ fn materialize(
                 continue;
             }
         };
-        // A re-read row is a change only where it differs from what is stored.
+        // A re-read row is a change only where it differs from what is
+        // stored (its content, version, or whether it is a tombstone).
         let touched = touched
             && !(source.reread
-                && row
-                    .before
-                    .as_ref()
-                    .is_some_and(|p| p.row == wire && p.version == version));
+                && row.before.as_ref().is_some_and(|p| {
+                    p.row == wire
+                        && p.version == version
+                        && p.tombstone == table.is_tombstone(&wire)
+                }));
         let current = model.manifest.schema_version();
         let stale = row
             .before

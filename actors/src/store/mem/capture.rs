@@ -224,21 +224,7 @@ impl CaptureState {
                         StoreError::Integrity("a registered row without its key".into())
                     })?;
                 let slot = (t.table_id.clone(), key.clone());
-                let version = match self.versions.get(&slot) {
-                    Some(v) if !v.deleted => (v.version.clone(), v.fence),
-                    _ => {
-                        let mut bytes = [0u8; 16];
-                        self.rng.fill_bytes(&mut bytes);
-                        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                        let v = RowVersion {
-                            version: version.clone(),
-                            fence: 0,
-                            deleted: false,
-                        };
-                        self.versions.insert(slot, v);
-                        (version, 0)
-                    }
-                };
+                let version = self.version_or_new(slot);
                 self.baseline_versions
                     .insert(key.clone(), version.0.clone());
                 let identity = SourceImage::from([(t.primary_key.clone(), Some(key.clone()))]);
@@ -283,6 +269,24 @@ impl CaptureState {
     /// Drops every effect of a table.
     pub(super) fn forget_effects(&mut self, table_id: &str) {
         self.effects.retain(|_, e| e.table_id != table_id);
+    }
+
+    /// A registered row's version and fence; a row without one (written
+    /// before its table was registered) gets a new version at fence 0.
+    fn version_or_new(&mut self, slot: (String, String)) -> (String, u64) {
+        if let Some(v) = self.versions.get(&slot).filter(|v| !v.deleted) {
+            return (v.version.clone(), v.fence);
+        }
+        let mut bytes = [0u8; 16];
+        self.rng.fill_bytes(&mut bytes);
+        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let v = RowVersion {
+            version: version.clone(),
+            fence: 0,
+            deleted: false,
+        };
+        self.versions.insert(slot, v);
+        (version, 0)
     }
 
     /// A stream reset: the materialized state of the old generation is
@@ -990,22 +994,8 @@ impl ChangeFeed for MemFeed {
                     StoreError::Integrity("a registered row without its key".into())
                 })?;
                 let slot = (table_id.clone(), key.clone());
-                let version = match c.versions.get(&slot) {
-                    Some(v) if !v.deleted => v.version.clone(),
-                    // A row of a table registered after it was written.
-                    _ => {
-                        let mut bytes = [0u8; 16];
-                        c.rng.fill_bytes(&mut bytes);
-                        let version: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                        let v = RowVersion {
-                            version: version.clone(),
-                            fence: 0,
-                            deleted: false,
-                        };
-                        c.versions.insert(slot, v);
-                        version
-                    }
-                };
+                // A row of a table registered after it was written gets one.
+                let (version, _) = c.version_or_new(slot);
                 chunk.notes.push(VersionNote {
                     table_id: table_id.clone(),
                     key,
