@@ -133,7 +133,7 @@ pub fn rematerialization_gate<'s, S: Store>(
     )
 }
 
-/// A pull that passed the gates presented the client's
+/// A pull or rebuild that passed the gates presented the client's
 /// generation: the identity is known from now on, and a fresh-sentinel
 /// connect for it is `400 invalid_schema_reference` (ADR 0003 §2). Whether
 /// the record changed (the caller writes it).

@@ -115,7 +115,7 @@ impl<S: Store> Rebuilder<S> {
         let client = attempt::bind(&mut tx, user_id, named).await?;
         // 3. Structure, with every limit.
         let req = RebuildRequest::from_value(parsed?)?;
-        let Some(client) = client else {
+        let Some(mut client) = client else {
             return Err(ProtocolError::new(ErrorKind::AuthRequired).into());
         };
         // 4. Retirement; 6. the generation gate, then the schema gate.
@@ -188,6 +188,9 @@ impl<S: Store> Rebuilder<S> {
         let body = self
             .page(&mut tx, &ctx, &current, &session, &req, ordinal)
             .await?;
+        if attempt::present_generation(&mut client) {
+            tx.put_client(&client).await?;
+        }
         tx.commit().await?;
         Ok(body)
     }

@@ -376,7 +376,10 @@ impl PgTx {
             "UPDATE synchro.rematerializations SET pending = false, after_key = NULL, rows = 0",
             "TRUNCATE synchro.scope_effects, synchro.projections, synchro.scope_members, \
              synchro.dependency_rows, synchro.source_transactions, synchro.client_checkpoints, \
-             synchro.rebuild_stage, synchro.rebuild_sessions",
+             synchro.rebuild_stage",
+            // Sessions are swept but remembered: a replay of a first request
+            // is 409, never a new session under the same rebuild_id.
+            "UPDATE synchro.rebuild_sessions SET swept = true WHERE NOT swept",
             "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
              quarantine_lsn = NULL, quarantine_class = NULL",
             "UPDATE synchro.capture_slot SET baseline_done = false",

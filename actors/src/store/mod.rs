@@ -256,7 +256,8 @@ pub trait StoreTx: Send {
 
     /// The operator stream reset (ADR 0012): a new stream generation, every
     /// materialized state of the old one gone (projections, membership,
-    /// effects, dependency rows, progress, checkpoints, rebuild sessions),
+    /// effects, dependency rows, progress, checkpoints, rebuild stages; its
+    /// rebuild sessions are swept but remembered),
     /// and a baseline owed under a new slot. Pending fences stay: the new
     /// baseline covers those it holds. Returns the new generation.
     fn reset_stream(&mut self) -> impl Future<Output = Result<u64, StoreError>> + Send;

@@ -332,7 +332,7 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     );
     capture_gates(world, &node, feed).await;
     request_errors(world, &node).await;
-    known_by_pull(world, &node).await;
+    known_by_pull_and_rebuild(world, &node).await;
     stale_and_forged(world, &node).await;
     delayed_acknowledgement(world, &node).await;
     dedup_merge_and_siblings(world, &node).await;
@@ -370,11 +370,11 @@ pub async fn pull_suite_via<W: CaptureWorld>(world: &W, serve: Serve) {
     capture_blocked(world, &latest).await;
 }
 
-/// A pull presents the client's generation: afterwards a
+/// A pull or rebuild presents the client's generation: afterwards a
 /// fresh-sentinel connect for that identity is `400
 /// invalid_schema_reference` (spec: Connect; ADR 0003 §2). Before it,
 /// the identical fresh connect is still the retry of a lost first connect.
-async fn known_by_pull<W: CaptureWorld>(world: &W, node: &Node) {
+async fn known_by_pull_and_rebuild<W: CaptureWorld>(world: &W, node: &Node) {
     let store = world.store();
     let fresh = |id: &str| json::to_canonical(&ConnectBody::fresh(id).to_json());
     let sentinel = |id: &'static str| async move {
@@ -392,6 +392,12 @@ async fn known_by_pull<W: CaptureWorld>(world: &W, node: &Node) {
     pulled.pull(10).await;
     assert_eq!(
         sentinel("kn-pull").await,
+        (400, Some("invalid_schema_reference".to_owned()))
+    );
+    let mut rebuilt = PullClient::connect(store, node, "kn-u", "kn-rebuild").await;
+    rebuilt.rebuild_scope("user:kn-u", 10).await;
+    assert_eq!(
+        sentinel("kn-rebuild").await,
         (400, Some("invalid_schema_reference".to_owned()))
     );
 }

@@ -570,7 +570,7 @@ impl StoreTx for MemTx {
             ..crate::stream::StreamState::default()
         };
         w.checkpoints.clear();
-        w.rebuilds = rebuild::Rebuilds::default();
+        w.rebuilds.sweep_all();
         w.capture.reset_stream();
         Ok(w.stream.generation)
     }

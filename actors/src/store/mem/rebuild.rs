@@ -32,6 +32,16 @@ pub(super) struct Rebuilds {
 }
 
 impl Rebuilds {
+    /// A stream reset: every stage goes, and every session is swept but
+    /// remembered, so a replay of its first request is `409`, never a new
+    /// session with other pages under the same `rebuild_id`.
+    pub(super) fn sweep_all(&mut self) {
+        for h in self.sessions.values_mut() {
+            h.stage = Arc::new(Vec::new());
+            h.swept = true;
+        }
+    }
+
     /// Every session live at `now_micros`, with its owner's user.
     pub(super) fn live(
         &self,
