@@ -279,7 +279,8 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
     }
 
     /// Plants a client bug for the simulator to catch: a scope the server
-    /// removes leaves the active set, but its rows stay.
+    /// removes (by pull or by connect) leaves the active set, but its rows
+    /// stay.
     #[cfg(madsim)]
     pub fn plant_keeping_removed_rows(&mut self) {
         self.checks.keep_removed_rows = true;
@@ -498,7 +499,9 @@ impl<S: LocalStore, T: Transport> Client<S, T> {
         let scopes = object(member(o, "scopes")?, "scopes")?;
         for r in page::scope_names(array(scopes, "remove")?)? {
             next.scopes.remove(&r);
-            t.clear.push(r);
+            if !self.checks.keep_removed_rows {
+                t.clear.push(r);
+            }
         }
         for a in array(scopes, "add")? {
             let a = object(a, "an added scope")?;

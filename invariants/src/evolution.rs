@@ -6,7 +6,7 @@
 //! `user:{owner_id}` and, through `note_shares`, `group:{team_id}`;
 //! templates in `templates_public`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use protocol::json::Value;
 
@@ -114,6 +114,56 @@ pub fn check_evolved(expected: &Held, held: &Held) -> Result<(), Vec<String>> {
     }
 }
 
+/// A device at the end of a run.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceEnd {
+    pub client_id: String,
+    pub user: String,
+    /// The scopes its session holds.
+    pub scopes: BTreeSet<String>,
+    /// What it holds, by scope and row key.
+    pub held: Held,
+    /// Terminal checksums that differed, as the client reported them.
+    pub mismatched: Vec<String>,
+}
+
+/// A device converged under the current config: it is assigned exactly
+/// its user's scope, the shared one and a `group:` scope per team of
+/// `teams`, holds exactly their expected rows, and no checksum differed.
+pub fn check_device(
+    expected: &Held,
+    teams: &[&str],
+    device: &DeviceEnd,
+) -> Result<(), Vec<String>> {
+    let id = &device.client_id;
+    let mut want: BTreeSet<String> = teams.iter().map(|t| format!("group:{t}")).collect();
+    want.insert(format!("user:{}", device.user));
+    want.insert("templates_public".into());
+    let mut violations = Vec::new();
+    if device.scopes != want {
+        violations.push(format!("{id}: assigned {:?}, not {want:?}", device.scopes));
+    }
+    violations.extend(
+        device
+            .mismatched
+            .iter()
+            .map(|m| format!("{id}: checksum differed: {m}")),
+    );
+    let expected: Held = expected
+        .iter()
+        .filter(|(scope, _)| want.contains(*scope))
+        .map(|(s, rows)| (s.clone(), rows.clone()))
+        .collect();
+    if let Err(v) = check_evolved(&expected, &device.held) {
+        violations.extend(v.into_iter().map(|v| format!("{id}: {v}")));
+    }
+    if violations.is_empty() {
+        Ok(())
+    } else {
+        Err(violations)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::panic)] // tests fail loudly
@@ -147,5 +197,49 @@ mod tests {
         let moved = kept.remove("group:red").unwrap();
         kept.insert("team:red".into(), moved);
         assert_eq!(check_evolved(&expected, &kept).unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn a_device_with_an_old_scope_or_a_missing_row_is_caught() {
+        let notes = [
+            row(&[
+                ("id", Some("n1")),
+                ("owner_id", Some("u")),
+                ("title", Some("t")),
+            ]),
+            row(&[
+                ("id", Some("n2")),
+                ("owner_id", Some("v")),
+                ("title", Some("t")),
+            ]),
+        ];
+        let shares = [row(&[("note_id", Some("n2")), ("team_id", Some("red"))])];
+        let expected = expected_after(&notes, &shares, &[]);
+        let mut device = DeviceEnd {
+            client_id: "d".into(),
+            user: "u".into(),
+            scopes: ["user:u", "group:red", "templates_public"]
+                .map(str::to_owned)
+                .into(),
+            held: expected
+                .iter()
+                .filter(|(s, _)| *s != "user:v")
+                .map(|(s, r)| (s.clone(), r.clone()))
+                .collect(),
+            mismatched: Vec::new(),
+        };
+        assert_eq!(check_device(&expected, &["red"], &device), Ok(()));
+        // Still assigned the team scope of the old config.
+        let mut old = device.clone();
+        old.scopes.insert("team:red".into());
+        assert!(check_device(&expected, &["red"], &old).is_err());
+        // A shared row missing.
+        device.held.remove("group:red");
+        assert_eq!(
+            check_device(&expected, &["red"], &device)
+                .unwrap_err()
+                .len(),
+            1
+        );
     }
 }

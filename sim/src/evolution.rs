@@ -2,9 +2,13 @@
 //! database node write notes (with bodies), shares and templates while the
 //! server, on a lossy link, crashes now and then; halfway, the server
 //! restarts with a config that syncs the notes' `body`, registers the
-//! templates table over its existing rows and moves shared notes from
-//! `team:` to `group:` scopes. At the end every scope must hold exactly
-//! what the new config places in it (`invariants::evolution`).
+//! templates table over its existing rows and moves shared notes
+//! (and the teams' scopes) from `team:` to `group:` scopes. Devices of
+//! each user (the real client library) sync throughout: they hold rows and
+//! cursors of the old schema when the config changes, and follow whatever
+//! connect and pull tell them. At the end every scope must hold exactly
+//! what the new config places in it, and every device exactly its scopes'
+//! rows (`invariants::evolution`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -15,8 +19,10 @@ use actors::capture::{CapturePlan, EffectOp};
 use actors::config::SyncConfig;
 use actors::store::{MemStore, MemTx, Store, StoreTx};
 use actors::testkit::{EXAMPLE_RELATIONS, config_after, config_before};
+use client::{Client, LocalStore, MemoryStore, SyncError};
 use invariants::capture::{ObservedEffect, ObservedMembers};
-use invariants::evolution::Held;
+use invariants::evolution::{DeviceEnd, Held};
+use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
 use madsim::time::sleep;
@@ -25,7 +31,7 @@ use protocol::json::{self, Value};
 use protocol::position::StreamPosition;
 
 use crate::capture::{TEAMS, USERS, WHEN, image, key, observe, stream_begun};
-use crate::remote;
+use crate::link::ClientLink;
 
 /// A planted bug: the rematerialization of one relation reads no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +48,12 @@ pub struct EvolutionScenario {
     pub writers: usize,
     pub transactions_per_writer: usize,
     pub packet_loss: f64,
+    /// Whether a device of each user syncs throughout.
+    pub devices: bool,
     pub skipped: Option<SkippedRelation>,
+    /// A planted client bug: devices keep the rows of a scope the server
+    /// removes (the `team:` scopes the new config replaces).
+    pub devices_keep_removed_rows: bool,
 }
 
 impl Default for EvolutionScenario {
@@ -51,7 +62,9 @@ impl Default for EvolutionScenario {
             writers: 2,
             transactions_per_writer: 30,
             packet_loss: 0.01,
+            devices: true,
             skipped: None,
+            devices_keep_removed_rows: false,
         }
     }
 }
@@ -71,7 +84,16 @@ pub struct EvolutionTrace {
     pub undecodable: Vec<String>,
     /// Rows re-read by the rematerialization.
     pub reread_rows: u64,
+    /// Each device at the end.
+    pub devices: Vec<DeviceEnd>,
+    /// A device's error that no fault explains.
+    pub device_errors: Vec<String>,
 }
+
+/// The teams each user is a member of (`public.team_members`): their
+/// `team:` scopes, `group:` ones under the new config.
+pub const MEMBERSHIPS: [(&str, &[&str]); 3] =
+    [("u0", &["t0"]), ("u1", &["t1"]), ("u2", &["t0", "t1"])];
 
 /// A body, or none.
 fn body() -> Option<String> {
@@ -216,14 +238,132 @@ async fn writer(
 
 /// The server node: the real engine under whichever config is current.
 async fn server(config: Arc<Mutex<SyncConfig>>) {
-    let incarnation: u32 = thread_rng().r#gen();
     let config = config.lock().unwrap().clone();
-    let _engine = remote::start_engine_with(
-        remote::RemoteStore::new(u64::from(incarnation), None),
-        config,
-    )
-    .await;
-    std::future::pending::<()>().await;
+    crate::serve_engine_with(config, None, crate::pull::route).await;
+}
+
+type Device = Client<MemoryStore, ClientLink>;
+
+/// One sync of a device, as an app does it: an unsupported schema is reset
+/// (an upgraded app), a transient failure is left for the next round, and
+/// anything else is recorded. Why the sync did not succeed, if it did not.
+async fn sync_device(
+    device: &mut Device,
+    mismatched: &mut Vec<String>,
+    errors: &Mutex<Vec<String>>,
+) -> Result<(), String> {
+    let result = device.sync().await;
+    mismatched.extend(device.take_mismatched());
+    let e = match result {
+        Ok(_) => return Ok(()),
+        Err(e) => e,
+    };
+    let why = e.to_string();
+    match e {
+        SyncError::Unsupported(_) => {
+            let _ = device.reset_schema().await;
+        }
+        SyncError::Unreachable(_)
+        | SyncError::Unavailable(_)
+        | SyncError::AssignmentChanging(_)
+        | SyncError::RebuildRestarting(_) => {}
+        e => {
+            let id = &device.session().client_id;
+            errors.lock().unwrap().push(format!("{id}: {e}"));
+        }
+    }
+    Err(why)
+}
+
+/// A device of `user`: syncs every second or two until `stop`,
+/// now and then restarting from its local store; counts its successful
+/// syncs in `synced`.
+async fn device(
+    index: usize,
+    user: &'static str,
+    keep_removed_rows: bool,
+    synced: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    errors: Arc<Mutex<Vec<String>>>,
+) -> (Device, Vec<String>) {
+    let client_id = format!("device-{index}");
+    let open = |store, transport| {
+        let config = client::Config {
+            pull_limit: thread_rng().gen_range(1..=4),
+            rebuild_limit: thread_rng().gen_range(1..=3),
+            max_tries: 6,
+            backoff_base: Duration::from_millis(100),
+            backoff_cap: Duration::from_secs(3),
+            max_pages: 400,
+            ..client::Config::default()
+        };
+        let mut client =
+            Client::open(store, transport, &client_id, config, thread_rng().r#gen()).expect("open");
+        if keep_removed_rows {
+            client.plant_keeping_removed_rows();
+        }
+        client
+    };
+    let transport = ClientLink::bind((index as u64 + 1) << 40, user).await;
+    let mut client = open(MemoryStore::new(), transport);
+    let mut mismatched = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        if thread_rng().gen_bool(0.1) {
+            // The app restarts: only the local store survives.
+            let (store, transport) = client.into_parts();
+            client = open(store, transport);
+        }
+        if sync_device(&mut client, &mut mismatched, &errors)
+            .await
+            .is_ok()
+        {
+            synced.fetch_add(1, Ordering::Relaxed);
+        }
+        sleep(Duration::from_millis(thread_rng().gen_range(1_000..3_000))).await;
+    }
+    (client, mismatched)
+}
+
+/// At quiescence: syncs until a sync succeeds; a device that never does
+/// is an error of the run's judgement, not of the run.
+async fn settle_device(
+    device: &mut Device,
+    mismatched: &mut Vec<String>,
+    errors: &Mutex<Vec<String>>,
+) {
+    let mut why = String::new();
+    for _ in 0..40 {
+        match sync_device(device, mismatched, errors).await {
+            Ok(()) => return,
+            Err(e) => why = e,
+        }
+        sleep(Duration::from_millis(500)).await;
+    }
+    let id = &device.session().client_id;
+    errors
+        .lock()
+        .unwrap()
+        .push(format!("{id} never settled; last: {why}"));
+}
+
+/// What a device holds, by scope and row key.
+fn device_end(device: &Device, user: &str, mismatched: Vec<String>) -> Result<DeviceEnd, String> {
+    let mut held: Held = BTreeMap::new();
+    for h in device.store().all_holdings().map_err(|e| e.to_string())? {
+        let row = json::parse(h.row.as_bytes()).map_err(|_| "a held row is not JSON")?;
+        let id = ["fld_notes_id", "fld_templates_id"]
+            .iter()
+            .find_map(|f| row.as_object()?.get(*f)?.as_str().map(str::to_owned))
+            .unwrap_or_else(|| h.pk.clone());
+        held.entry(h.scope).or_default().insert(id, row);
+    }
+    Ok(DeviceEnd {
+        client_id: device.session().client_id.clone(),
+        user: user.to_owned(),
+        scopes: device.session().scopes.keys().cloned().collect(),
+        held,
+        mismatched,
+    })
 }
 
 /// Waits until capture has materialized through `last` and no relation is
@@ -242,6 +382,23 @@ async fn settled(store: &MemStore, last: actors::capture::Lsn) -> Result<(), Str
     Err("the rematerialization did not end within 60 simulated seconds".into())
 }
 
+/// Waits until every device has synced once more: then each holds rows of
+/// the old schema when the deploy comes.
+async fn synced_since(synced: &[Arc<AtomicUsize>]) -> Result<(), String> {
+    let before: Vec<usize> = synced.iter().map(|s| s.load(Ordering::Relaxed)).collect();
+    for _ in 0..600 {
+        if synced
+            .iter()
+            .zip(&before)
+            .all(|(s, b)| s.load(Ordering::Relaxed) > *b)
+        {
+            return Ok(());
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Err("a device did not sync within 60 simulated seconds before the deploy".into())
+}
+
 /// Runs an evolution scenario under the current seed.
 pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace, String> {
     let store = MemStore::with_seed(thread_rng().r#gen());
@@ -258,6 +415,12 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         None => {}
     }
     let config = Arc::new(Mutex::new(config_before()));
+    let teams = config_before().assignment.dependency[0].clone();
+    for (user, member_of) in MEMBERSHIPS {
+        for team in member_of {
+            store.dependency_row(&teams, user, team, true).await;
+        }
+    }
     let database = {
         let config = config.clone();
         crate::start_nodes(&store, scenario.packet_loss, move || server(config.clone()))
@@ -283,6 +446,35 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
             ))
         })
         .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let handle = Handle::current();
+    let synced: Vec<Arc<AtomicUsize>> = MEMBERSHIPS.iter().map(|_| Arc::default()).collect();
+    let devices: Vec<_> = MEMBERSHIPS
+        .iter()
+        .take(if scenario.devices {
+            MEMBERSHIPS.len()
+        } else {
+            0
+        })
+        .enumerate()
+        .map(|(i, (user, _))| {
+            let node = handle
+                .create_node()
+                .name(format!("device-{i}"))
+                .ip(format!("10.0.3.{}", i + 1).parse().expect("ip"))
+                .build();
+            let t = node.spawn(device(
+                i,
+                user,
+                scenario.devices_keep_removed_rows,
+                synced[i].clone(),
+                stop.clone(),
+                errors.clone(),
+            ));
+            (*user, t)
+        })
+        .collect();
     let crashes = Arc::new(AtomicUsize::new(0));
     let crasher = {
         let crashes = crashes.clone();
@@ -297,19 +489,35 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     }
     // Everything written so far is materialized under the old config.
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    if scenario.devices {
+        synced_since(&synced).await?;
+    }
     *config.lock().unwrap() = config_after();
+    // A kill first: `restart` alone keeps the old incarnation's socket.
+    Handle::current().kill("server");
     Handle::current().restart("server");
     switched.store(true, Ordering::Relaxed);
     for w in writers {
         w.await.map_err(|e| format!("writer failed: {e}"))?;
     }
     crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+    stop.store(true, Ordering::Relaxed);
+    let mut ended = Vec::new();
+    for (user, t) in devices {
+        ended.push((user, t.await.map_err(|e| format!("device failed: {e}"))?));
+    }
     settled(&store, store.last_commit_lsn().await).await?;
-
+    // Quiescence: the link heals and every device syncs to the end.
+    NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
     let mut trace = EvolutionTrace {
         crashes: crashes.load(Ordering::Relaxed),
         ..EvolutionTrace::default()
     };
+    for (user, (mut device, mut mismatched)) in ended {
+        settle_device(&mut device, &mut mismatched, &errors).await;
+        trace.devices.push(device_end(&device, user, mismatched)?);
+    }
+    trace.device_errors = errors.lock().unwrap().clone();
     let mut tx = store.begin().await.map_err(|e| e.to_string())?;
     trace.reread_rows = tx
         .rematerializations()

@@ -82,3 +82,67 @@ impl Link {
         }
     }
 }
+
+/// A client request as the server's router reads it (`pull::route`): the
+/// endpoint's byte, then the body.
+pub(crate) fn framed(endpoint: client::Endpoint, body: &[u8]) -> Vec<u8> {
+    let kind = match endpoint {
+        client::Endpoint::Connect => 0u8,
+        client::Endpoint::Push => 1,
+        client::Endpoint::Pull => 2,
+        client::Endpoint::Rebuild => 3,
+    };
+    let mut framed = vec![kind];
+    framed.extend_from_slice(body);
+    framed
+}
+
+/// A device's transport for `client::Client` over a [`Link`]: one try per
+/// post, the first answer within 800 ms, else none (the client's own rules
+/// retry).
+pub(crate) struct ClientLink {
+    link: Link,
+    user: String,
+}
+
+impl ClientLink {
+    /// A transport of `user` whose request IDs start after `first_id`.
+    pub(crate) async fn bind(first_id: u64, user: &str) -> ClientLink {
+        ClientLink {
+            link: Link::bind(first_id).await,
+            user: user.to_owned(),
+        }
+    }
+}
+
+impl client::Transport for ClientLink {
+    async fn post(
+        &mut self,
+        endpoint: client::Endpoint,
+        body: &[u8],
+    ) -> Result<client::Answer, client::TransportError> {
+        let framed = framed(endpoint, body);
+        let link = &mut self.link;
+        link.next_id += 1;
+        let id = link.next_id;
+        let frame = encode_request(id, &self.user, &framed);
+        let _ = link.ep.send_to(link.server, REQUEST, &frame).await;
+        let deadline = sleep(Duration::from_millis(800));
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = &mut deadline => {
+                    return Err(client::TransportError("no answer in time".into()));
+                }
+                got = link.ep.recv_from(RESPONSE, &mut link.buf) => {
+                    let Ok((n, _)) = got else { continue };
+                    if let Some((got_id, status, body)) = decode_response(&link.buf[..n])
+                        && got_id == id
+                    {
+                        return Ok(client::Answer { status, retry_after: None, body });
+                    }
+                }
+            }
+        }
+    }
+}

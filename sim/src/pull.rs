@@ -142,16 +142,18 @@ fn note_key(k: usize) -> String {
 /// The server node: the real engine, stopping where `tripwire` arms it;
 /// the first body byte names the endpoint.
 pub(crate) async fn server_main(tripwire: Arc<Tripwire>) {
-    crate::serve_engine(Some(tripwire), |engine, user, body| async move {
-        match body.split_first() {
-            Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
-            Some((&PUSH, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
-            Some((&REBUILD, body)) => engine.rebuild(&user, body.to_vec(), now_micros()).await,
-            Some((_, body)) => engine.pull(&user, body.to_vec(), now_micros()).await,
-            None => engine.pull(&user, Vec::new(), now_micros()).await,
-        }
-    })
-    .await;
+    crate::serve_engine(Some(tripwire), route).await;
+}
+
+/// Answers one request frame: its first byte names the endpoint.
+pub(crate) async fn route(engine: actors::Engine, user: String, body: Vec<u8>) -> actors::Reply {
+    match body.split_first() {
+        Some((&CONNECT, body)) => engine.connect(&user, body.to_vec(), now_micros()).await,
+        Some((&PUSH, body)) => engine.push(&user, body.to_vec(), now_micros()).await,
+        Some((&REBUILD, body)) => engine.rebuild(&user, body.to_vec(), now_micros()).await,
+        Some((_, body)) => engine.pull(&user, body.to_vec(), now_micros()).await,
+        None => engine.pull(&user, Vec::new(), now_micros()).await,
+    }
 }
 
 /// One call, resent until answered; the first answer.

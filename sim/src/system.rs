@@ -293,14 +293,7 @@ impl SimTransport {
 
 impl Transport for SimTransport {
     async fn post(&mut self, endpoint: Endpoint, body: &[u8]) -> Result<Answer, TransportError> {
-        let kind = match endpoint {
-            Endpoint::Connect => 0u8,
-            Endpoint::Push => 1,
-            Endpoint::Pull => 2,
-            Endpoint::Rebuild => 3,
-        };
-        let mut framed = vec![kind];
-        framed.extend_from_slice(body);
+        let framed = crate::link::framed(endpoint, body);
         let twice = endpoint == Endpoint::Push && thread_rng().gen_bool(self.duplicate_push);
         if twice {
             self.trace.lock().expect("trace").duplicated += 1;

@@ -6,7 +6,9 @@
 #![cfg(madsim)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
-use sim::evolution::{EvolutionScenario, EvolutionTrace, SkippedRelation, run_evolution};
+use sim::evolution::{
+    EvolutionScenario, EvolutionTrace, MEMBERSHIPS, SkippedRelation, run_evolution,
+};
 
 fn reproduce(test: &str) -> String {
     let seed = madsim::runtime::Handle::current().seed();
@@ -15,13 +17,25 @@ fn reproduce(test: &str) -> String {
     )
 }
 
-/// The evolution invariant and the membership index over a trace.
+/// The evolution invariant, the membership index and every device over a
+/// trace.
 fn judged(trace: &EvolutionTrace) -> Result<(), Vec<String>> {
     if !trace.undecodable.is_empty() {
         return Err(trace.undecodable.clone());
     }
+    if !trace.device_errors.is_empty() {
+        return Err(trace.device_errors.clone());
+    }
     invariants::evolution::check_evolved(&trace.expected, &trace.held)
-        .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))
+        .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))?;
+    for device in &trace.devices {
+        let teams = MEMBERSHIPS
+            .iter()
+            .find(|(user, _)| *user == device.user)
+            .map_or(&[][..], |(_, teams)| *teams);
+        invariants::evolution::check_device(&trace.expected, teams, device)?;
+    }
+    Ok(())
 }
 
 async fn run(scenario: EvolutionScenario, reproduce: &str) -> EvolutionTrace {
@@ -44,6 +58,11 @@ async fn every_scope_converges_under_the_new_config() {
         madsim::time::TimeHandle::current().elapsed()
     );
     assert!(trace.reread_rows > 0, "rows were re-read\n{reproduce}");
+    assert_eq!(
+        trace.devices.len(),
+        MEMBERSHIPS.len(),
+        "every device settled\n{reproduce}"
+    );
     assert!(
         trace.expected.contains_key("templates_public"),
         "templates existed before they were registered\n{reproduce}"
@@ -86,4 +105,30 @@ async fn a_table_left_out_is_caught() {
 async fn an_old_membership_is_caught() {
     let reproduce = reproduce("an_old_membership_is_caught");
     caught(SkippedRelation::Notes, &reproduce).await;
+}
+
+/// A planted client bug: devices keep the rows of the `team:` scopes the
+/// new config removes. Only the device invariant can see it.
+#[madsim::test]
+async fn a_device_keeping_an_old_scopes_rows_is_caught() {
+    let reproduce = reproduce("a_device_keeping_an_old_scopes_rows_is_caught");
+    let scenario = EvolutionScenario {
+        devices_keep_removed_rows: true,
+        ..EvolutionScenario::default()
+    };
+    let trace = run(scenario, &reproduce).await;
+    assert!(
+        trace.undecodable.is_empty() && trace.device_errors.is_empty(),
+        "the server side is sound\n{reproduce}"
+    );
+    let kept = trace
+        .devices
+        .iter()
+        .filter(|d| d.held.keys().any(|s| s.starts_with("team:")))
+        .count();
+    assert!(kept > 0, "a device held a team: scope's rows\n{reproduce}");
+    assert!(
+        judged(&trace).is_err(),
+        "a device keeping removed rows went unnoticed\n{reproduce}"
+    );
 }
