@@ -11,11 +11,13 @@ use actors::capture::{
 };
 use actors::store::StoreError;
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
+use protocol::value::FieldType;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::{Connection, Executor, Row};
 use tokio::sync::mpsc;
 
 use crate::baseline;
+use crate::catalog;
 use crate::pgoutput::{self, Message, TupleValue};
 use crate::reread;
 use crate::sql::{literal, quote_relation, to_i64};
@@ -330,6 +332,17 @@ fn column_missing(relation: &str, column: &str) {
     );
 }
 
+/// Logs which column of a registered relation was retyped, and why its
+/// field cannot follow (config and catalog names, no data).
+fn column_retyped(relation: &str, column: &str, why: &str) {
+    tracing::error!(
+        relation,
+        column,
+        why,
+        "capture blocked: a column a field maps to was retyped; change the field's type in the config to follow it, and restart"
+    );
+}
+
 /// What broke since `install`, if anything: the slot lost, a captured
 /// relation dropped, recreated (another OID) or unpublished, or a capture
 /// trigger gone or disabled.
@@ -377,6 +390,23 @@ pub(crate) async fn check(
         if let Some(missing) = t.columns.iter().find(|c| !present.contains(c)) {
             column_missing(&t.relation, missing);
             return Ok(Some(CaptureProblem::ColumnMissing));
+        }
+        let typed: Vec<(String, String, i32)> = sqlx::query_as(
+            "SELECT a.attname::text, ty.typname::text, a.atttypmod FROM pg_attribute a \
+             JOIN pg_type ty ON ty.oid = a.atttypid \
+             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+        )
+        .bind(&t.relation)
+        .fetch_all(&store.pool)
+        .await
+        .map_err(db_error)?;
+        for (column, type_name, typmod) in &typed {
+            if let Some(declared) = t.types.get(column)
+                && let Some(why) = catalog::type_conflict(type_name, *typmod, declared)
+            {
+                column_retyped(&t.relation, column, &why);
+                return Ok(Some(CaptureProblem::ColumnRetyped));
+            }
         }
         let triggers: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) \
@@ -446,6 +476,11 @@ pub struct PgFeed {
     registered: BTreeMap<String, String>,
     /// Each registered relation's synced columns.
     synced: BTreeMap<String, Vec<String>>,
+    /// Each registered relation's synced columns' field types.
+    types: BTreeMap<String, BTreeMap<String, FieldType>>,
+    /// `pg_type` names by OID, to judge a column's type in a `Relation`
+    /// message.
+    type_names: BTreeMap<u32, String>,
 }
 
 /// Opens the feed if this process can lead capture.
@@ -539,7 +574,26 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
             .iter()
             .map(|t| (t.relation.clone(), t.columns.clone()))
             .collect(),
+        types: plan
+            .tables
+            .iter()
+            .map(|t| (t.relation.clone(), t.types.clone()))
+            .collect(),
+        type_names: type_names(store).await?,
     }))
+}
+
+/// Every `pg_type` name by OID. A type created after this is read has no
+/// portable type anyway.
+async fn type_names(store: &PgStore) -> Result<BTreeMap<u32, String>, StoreError> {
+    let rows: Vec<(i64, String)> = sqlx::query_as("SELECT oid::int8, typname::text FROM pg_type")
+        .fetch_all(&store.pool)
+        .await
+        .map_err(db_error)?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(oid, name)| Some((u32::try_from(oid).ok()?, name)))
+        .collect())
 }
 
 fn text(v: &TupleValue) -> Result<Option<Option<String>>, CaptureProblem> {
@@ -592,6 +646,17 @@ impl PgFeed {
                 let qualified = format!("{namespace}.{name}");
                 if !self.plan_relations.contains(&qualified) {
                     return Err(CaptureProblem::RelationDrift); // renamed or moved
+                }
+                for c in &columns {
+                    let declared = self.types.get(&qualified).and_then(|t| t.get(&c.name));
+                    let type_name = self.type_names.get(&c.type_oid).map_or("", String::as_str);
+                    if let Some(declared) = declared
+                        && let Some(why) =
+                            catalog::type_conflict(type_name, c.type_modifier, declared)
+                    {
+                        column_retyped(&qualified, &c.name, &why);
+                        return Err(CaptureProblem::ColumnRetyped);
+                    }
                 }
                 let columns: Vec<(String, bool)> =
                     columns.into_iter().map(|c| (c.name, c.key)).collect();

@@ -3,7 +3,7 @@
 //! names the table and column.
 
 use actors::config::{MembershipRule, SyncConfig, TableConfig};
-use protocol::value::PortableType;
+use protocol::value::{FieldType, PortableType};
 use sqlx::Row;
 use sqlx::postgres::PgPool;
 
@@ -13,6 +13,35 @@ struct Column {
     type_name: String,
     typmod: i32,
     not_null: bool,
+}
+
+/// Why a column of type `type_name` (`pg_type.typname`) with modifier
+/// `typmod` cannot hold the values of a field of `declared`, if it cannot.
+pub(crate) fn type_conflict(type_name: &str, typmod: i32, declared: &FieldType) -> Option<String> {
+    let c = Column {
+        name: String::new(),
+        type_name: type_name.to_owned(),
+        typmod,
+        not_null: false,
+    };
+    let (ty, bounds) = match portable_type(&c) {
+        Ok(t) => t,
+        Err(e) => return Some(e),
+    };
+    if ty != declared.ty {
+        return Some(format!(
+            "the column syncs as {}, but the config declares {}",
+            ty.name(),
+            declared.ty.name()
+        ));
+    }
+    let declared_bounds = declared.decimal.map(|b| (b.precision, b.scale));
+    if ty == PortableType::Decimal && bounds != declared_bounds {
+        return Some(format!(
+            "numeric bounds {bounds:?} differ from the declared {declared_bounds:?}"
+        ));
+    }
+    None
 }
 
 /// The portable type a column of `type_name` syncs as, with decimal bounds.
@@ -224,33 +253,15 @@ async fn validate_table(pool: &PgPool, t: &TableConfig) -> Result<(), Vec<String
                 continue;
             }
         };
-        match portable_type(c) {
-            Err(e) => problems.push(format!("table {id}, column {}: {e}", f.column)),
-            Ok((ty, bounds)) => {
-                if ty != declared.ty {
-                    problems.push(format!(
-                        "table {id}, column {}: the column syncs as {}, but the config declares {}",
-                        f.column,
-                        ty.name(),
-                        declared.ty.name()
-                    ));
-                }
-                let declared_bounds = declared.decimal.map(|b| (b.precision, b.scale));
-                if ty == PortableType::Decimal && bounds != declared_bounds {
-                    problems.push(format!(
-                        "table {id}, column {}: numeric bounds {:?} differ from the declared {:?}",
-                        f.column, bounds, declared_bounds
-                    ));
-                }
-                if f.column == t.primary_key
-                    && !matches!(
-                        c.type_name.as_str(),
-                        "int2" | "int4" | "int8" | "text" | "varchar" | "uuid"
-                    )
-                {
-                    problems.push(format!("table {id}, column {}: a primary key must be smallint, integer, bigint, text, varchar or uuid", f.column));
-                }
-            }
+        if let Some(e) = type_conflict(&c.type_name, c.typmod, &declared) {
+            problems.push(format!("table {id}, column {}: {e}", f.column));
+        } else if f.column == t.primary_key
+            && !matches!(
+                c.type_name.as_str(),
+                "int2" | "int4" | "int8" | "text" | "varchar" | "uuid"
+            )
+        {
+            problems.push(format!("table {id}, column {}: a primary key must be smallint, integer, bigint, text, varchar or uuid", f.column));
         }
         if !declared.nullable && !c.not_null {
             problems.push(format!(

@@ -488,6 +488,73 @@ async fn a_config_change_rematerializes_its_relations_on_postgres() {
     actors::testkit::rematerialization_suite(&world).await;
 }
 
+/// A column a field maps to, retyped under the running server to a type
+/// its field cannot hold (`boolean` to `text`): capture blocks
+/// (`column_retyped`) at the first transaction after it, and nothing is
+/// materialized under the old type; a restart with the field's type
+/// following the column materializes that transaction and goes on.
+#[tokio::test]
+async fn a_retyped_synced_column_blocks_capture_until_the_config_follows() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let (store, engine) = running_engine(&cluster, "retyped_column").await;
+    sqlx::raw_sql(
+        "ALTER TABLE public.notes ALTER COLUMN pinned DROP DEFAULT, \
+         ALTER COLUMN pinned TYPE text USING pinned::text",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let world = Pg {
+        store: store.clone(),
+    };
+    let note = [
+        ("id", Some("00000000-0000-4000-8000-0000000000e1")),
+        ("owner_id", Some("alice")),
+        ("title", Some("t")),
+        ("pinned", Some("maybe")),
+        ("updated_at", Some("2026-07-18 14:00:01+00")),
+    ];
+    let lsn = world.write(&[Write::Insert("public.notes", &note)]).await;
+    let p = actors::testkit::settle(&store, lsn).await;
+    assert_eq!(
+        p.quarantine.map(|q| q.problem),
+        Some(CaptureProblem::ColumnRetyped)
+    );
+    assert!(
+        !matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn),
+        "nothing after the retype was materialized"
+    );
+    wait_status(
+        &engine,
+        |s| *s == CaptureStatus::Blocked(CaptureProblem::ColumnRetyped),
+        "blocked",
+    )
+    .await;
+    drop(engine);
+    let pinned_as_text = fast_config(|s| {
+        let line = s
+            .lines()
+            .find(|l| l.contains("fld_notes_pinned"))
+            .unwrap()
+            .to_owned();
+        s.replace(&line, &line.replace("\"boolean\"", "\"string\""))
+    });
+    let _engine = actors::Engine::start(store.clone(), pinned_as_text)
+        .await
+        .unwrap();
+    for _ in 0..1000 {
+        let mut tx = store.begin().await.unwrap();
+        let p = tx.capture_progress().await.unwrap();
+        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn) {
+            assert_eq!(p.quarantine, None, "the transaction materialized");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("capture did not resume");
+}
+
 /// A column a field maps to, dropped under the running server: capture
 /// blocks (`column_missing`) at the first transaction after it, and
 /// nothing is materialized without the field; a restart with the field

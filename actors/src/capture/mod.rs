@@ -14,6 +14,7 @@ use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{ScopeId, ServerVersion};
 use protocol::json::Value;
 use protocol::position::{Boundary, StreamPosition};
+use protocol::value::FieldType;
 
 use crate::config::{MembershipRule, SyncConfig};
 use crate::store::StoreError;
@@ -121,6 +122,10 @@ pub enum CaptureProblem {
     /// A column that a field maps to was dropped or renamed under the
     /// running server (ADR 0020): restore it, or change the config.
     ColumnMissing,
+    /// A column that a field maps to was retyped under the running server
+    /// to a type that does not hold the field's values (ADR 0020): change
+    /// the config to follow it.
+    ColumnRetyped,
 }
 
 impl CaptureProblem {
@@ -137,6 +142,7 @@ impl CaptureProblem {
             CaptureProblem::CaptureDisabled => "capture_disabled",
             CaptureProblem::SlotLost => "slot_lost",
             CaptureProblem::ColumnMissing => "column_missing",
+            CaptureProblem::ColumnRetyped => "column_retyped",
         }
     }
 
@@ -153,6 +159,7 @@ impl CaptureProblem {
             CaptureProblem::CaptureDisabled,
             CaptureProblem::SlotLost,
             CaptureProblem::ColumnMissing,
+            CaptureProblem::ColumnRetyped,
         ]
         .into_iter()
         .find(|p| p.as_str() == s)
@@ -370,6 +377,9 @@ pub struct CapturedTable {
     pub primary_key: String,
     /// The columns its fields map to.
     pub columns: Vec<String>,
+    /// The type each of those columns must keep to hold its field's values
+    /// (a column retyped away from it blocks capture).
+    pub types: BTreeMap<String, FieldType>,
 }
 
 /// What a store installs for capture: version triggers on registered tables,
@@ -413,6 +423,11 @@ impl CapturePlan {
                     relation: t.relation.clone(),
                     primary_key: t.primary_key.clone(),
                     columns: t.fields.iter().map(|f| f.column.clone()).collect(),
+                    types: t
+                        .fields
+                        .iter()
+                        .filter_map(|f| Some((f.column.clone(), f.field_type().ok()?)))
+                        .collect(),
                 })
                 .collect(),
             dependencies,

@@ -12,6 +12,8 @@
 
 use std::collections::VecDeque;
 
+use tokio::time::{Duration, Instant};
+
 use super::model::Model;
 use crate::capture::{
     ChangeFeed, Lsn, Rematerialization, RereadChunk, RereadRequest, SourceTransaction,
@@ -26,7 +28,12 @@ pub(super) struct Rereading {
     in_flight: Option<InFlight>,
     /// Rows per chunk.
     chunk_rows: usize,
+    /// The progress last logged: when, and the relation's rows then.
+    reported: (Instant, u64),
 }
+
+/// How often a long rematerialization logs its progress.
+const REPORT_EVERY: Duration = Duration::from_secs(2);
 
 struct InFlight {
     watermark: String,
@@ -49,6 +56,7 @@ impl Rereading {
             owed: dependencies.into_iter().chain(tables).collect(),
             in_flight: None,
             chunk_rows,
+            reported: (Instant::now(), 0),
         }
     }
 
@@ -135,6 +143,7 @@ impl Rereading {
             *owed = record.clone();
         }
         self.in_flight = None;
+        let (at, rows_then) = self.reported;
         if !record.pending {
             tracing::info!(
                 relation = %record.relation,
@@ -142,6 +151,17 @@ impl Rereading {
                 "capture: a relation was rematerialized"
             );
             self.owed.pop_front();
+            self.reported = (Instant::now(), 0);
+        } else if at.elapsed() >= REPORT_EVERY {
+            let per_second =
+                record.rows.saturating_sub(rows_then) as f64 / at.elapsed().as_secs_f64();
+            tracing::info!(
+                relation = %record.relation,
+                rows = record.rows,
+                rows_per_second = per_second as u64,
+                "capture: rematerializing"
+            );
+            self.reported = (Instant::now(), record.rows);
         }
     }
 }
