@@ -488,59 +488,48 @@ async fn a_config_change_rematerializes_its_relations_on_postgres() {
     actors::testkit::rematerialization_suite(&world).await;
 }
 
-/// A column a field maps to, retyped under the running server to a type
-/// its field cannot hold (`boolean` to `text`): capture blocks
-/// (`column_retyped`) at the first transaction after it, and nothing is
-/// materialized under the old type; a restart with the field's type
-/// following the column materializes that transaction and goes on.
-#[tokio::test]
-async fn a_retyped_synced_column_blocks_capture_until_the_config_follows() {
+/// A DDL `ddl` under the running server that conflicts with the config:
+/// capture blocks with `problem` at the first transaction after it (a note
+/// written with `pinned`), and nothing after it is materialized; a restart
+/// with the config edited by `follow` materializes that transaction and
+/// goes on.
+async fn conflicting_ddl_blocks_until_the_config_follows(
+    db: &str,
+    ddl: &str,
+    pinned: &str,
+    problem: CaptureProblem,
+    follow: fn(String) -> String,
+) {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let cluster = PgCluster::temp().unwrap();
-    let (store, engine) = running_engine(&cluster, "retyped_column").await;
-    sqlx::raw_sql(
-        "ALTER TABLE public.notes ALTER COLUMN pinned DROP DEFAULT, \
-         ALTER COLUMN pinned TYPE text USING pinned::text",
-    )
-    .execute(store.pool())
-    .await
-    .unwrap();
+    let (store, engine) = running_engine(&cluster, db).await;
+    sqlx::raw_sql(ddl).execute(store.pool()).await.unwrap();
     let world = Pg {
         store: store.clone(),
     };
     let note = [
-        ("id", Some("00000000-0000-4000-8000-0000000000e1")),
+        ("id", Some("00000000-0000-4000-8000-0000000000d1")),
         ("owner_id", Some("alice")),
         ("title", Some("t")),
-        ("pinned", Some("maybe")),
+        ("pinned", Some(pinned)),
         ("updated_at", Some("2026-07-18 14:00:01+00")),
     ];
     let lsn = world.write(&[Write::Insert("public.notes", &note)]).await;
     let p = actors::testkit::settle(&store, lsn).await;
-    assert_eq!(
-        p.quarantine.map(|q| q.problem),
-        Some(CaptureProblem::ColumnRetyped)
-    );
+    assert_eq!(p.quarantine.map(|q| q.problem), Some(problem.clone()));
     assert!(
         !matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn),
-        "nothing after the retype was materialized"
+        "nothing after the DDL was materialized"
     );
     wait_status(
         &engine,
-        |s| *s == CaptureStatus::Blocked(CaptureProblem::ColumnRetyped),
+        |s| matches!(s, CaptureStatus::Blocked(_)),
         "blocked",
     )
     .await;
+    assert_eq!(engine.capture_status(), CaptureStatus::Blocked(problem));
     drop(engine);
-    let pinned_as_text = fast_config(|s| {
-        let line = s
-            .lines()
-            .find(|l| l.contains("fld_notes_pinned"))
-            .unwrap()
-            .to_owned();
-        s.replace(&line, &line.replace("\"boolean\"", "\"string\""))
-    });
-    let _engine = actors::Engine::start(store.clone(), pinned_as_text)
+    let _engine = actors::Engine::start(store.clone(), fast_config(follow))
         .await
         .unwrap();
     for _ in 0..1000 {
@@ -555,65 +544,47 @@ async fn a_retyped_synced_column_blocks_capture_until_the_config_follows() {
     panic!("capture did not resume");
 }
 
-/// A column a field maps to, dropped under the running server: capture
-/// blocks (`column_missing`) at the first transaction after it, and
-/// nothing is materialized without the field; a restart with the field
-/// removed from the config materializes that transaction and goes on.
+/// The config line of field `field`.
+fn field_line(config: &str, field: &str) -> String {
+    config
+        .lines()
+        .find(|l| l.contains(field))
+        .unwrap()
+        .to_owned()
+}
+
+/// A column a field maps to, retyped under the running server to a type
+/// its field cannot hold (`boolean` to `text`): `column_retyped` (not the
+/// anonymous `invalid_value`) until the field's type follows the column.
 #[tokio::test]
-async fn a_dropped_synced_column_blocks_capture_until_the_config_follows() {
-    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let cluster = PgCluster::temp().unwrap();
-    let (store, engine) = running_engine(&cluster, "dropped_column").await;
-    sqlx::raw_sql("ALTER TABLE public.notes DROP COLUMN body")
-        .execute(store.pool())
-        .await
-        .unwrap();
-    let world = Pg {
-        store: store.clone(),
-    };
-    let note = [
-        ("id", Some("00000000-0000-4000-8000-0000000000d1")),
-        ("owner_id", Some("alice")),
-        ("title", Some("t")),
-        ("pinned", Some("f")),
-        ("updated_at", Some("2026-07-18 14:00:01+00")),
-    ];
-    let lsn = world.write(&[Write::Insert("public.notes", &note)]).await;
-    let p = actors::testkit::settle(&store, lsn).await;
-    assert_eq!(
-        p.quarantine.map(|q| q.problem),
-        Some(CaptureProblem::ColumnMissing)
-    );
-    assert!(
-        !matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn),
-        "nothing after the drop was materialized"
-    );
-    wait_status(
-        &engine,
-        |s| *s == CaptureStatus::Blocked(CaptureProblem::ColumnMissing),
-        "blocked",
+async fn a_retyped_synced_column_blocks_capture_until_the_config_follows() {
+    conflicting_ddl_blocks_until_the_config_follows(
+        "retyped_column",
+        "ALTER TABLE public.notes ALTER COLUMN pinned DROP DEFAULT, \
+         ALTER COLUMN pinned TYPE text USING pinned::text",
+        "maybe",
+        CaptureProblem::ColumnRetyped,
+        |s| {
+            let line = field_line(&s, "fld_notes_pinned");
+            s.replace(&line, &line.replace("\"boolean\"", "\"string\""))
+        },
     )
     .await;
-    drop(engine);
-    let without_body = fast_config(|s| {
-        let line = s
-            .lines()
-            .find(|l| l.contains("fld_notes_body"))
-            .unwrap()
-            .to_owned();
-        s.replace(&format!("{line}\n"), "")
-    });
-    let _engine = actors::Engine::start(store.clone(), without_body)
-        .await
-        .unwrap();
-    for _ in 0..1000 {
-        let mut tx = store.begin().await.unwrap();
-        let p = tx.capture_progress().await.unwrap();
-        if matches!(p.boundary, Boundary::TransactionEnd { commit_lsn } if commit_lsn >= lsn) {
-            assert_eq!(p.quarantine, None, "the transaction materialized");
-            return;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("capture did not resume");
+}
+
+/// A column a field maps to, dropped under the running server:
+/// `column_missing` until the field is removed from the config.
+#[tokio::test]
+async fn a_dropped_synced_column_blocks_capture_until_the_config_follows() {
+    conflicting_ddl_blocks_until_the_config_follows(
+        "dropped_column",
+        "ALTER TABLE public.notes DROP COLUMN body",
+        "f",
+        CaptureProblem::ColumnMissing,
+        |s| {
+            let line = field_line(&s, "fld_notes_body");
+            s.replace(&format!("{line}\n"), "")
+        },
+    )
+    .await;
 }
