@@ -379,19 +379,7 @@ pub(crate) async fn check(
         return Ok(Some(CaptureProblem::RelationDrift));
     }
     for t in &plan.tables {
-        let present: Vec<String> = sqlx::query_scalar(
-            "SELECT attname::text FROM pg_attribute WHERE attrelid = to_regclass($1) \
-             AND attnum > 0 AND NOT attisdropped",
-        )
-        .bind(&t.relation)
-        .fetch_all(&store.pool)
-        .await
-        .map_err(db_error)?;
-        if let Some(missing) = t.columns.iter().find(|c| !present.contains(c)) {
-            column_missing(&t.relation, missing);
-            return Ok(Some(CaptureProblem::ColumnMissing));
-        }
-        let typed: Vec<(String, String, i32)> = sqlx::query_as(
+        let present: Vec<(String, String, i32)> = sqlx::query_as(
             "SELECT a.attname::text, ty.typname::text, a.atttypmod FROM pg_attribute a \
              JOIN pg_type ty ON ty.oid = a.atttypid \
              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
@@ -400,7 +388,15 @@ pub(crate) async fn check(
         .fetch_all(&store.pool)
         .await
         .map_err(db_error)?;
-        for (column, type_name, typmod) in &typed {
+        if let Some(missing) = t
+            .columns
+            .iter()
+            .find(|c| !present.iter().any(|(name, _, _)| name == *c))
+        {
+            column_missing(&t.relation, missing);
+            return Ok(Some(CaptureProblem::ColumnMissing));
+        }
+        for (column, type_name, typmod) in &present {
             if let Some(declared) = t.types.get(column)
                 && let Some(why) = catalog::type_conflict(type_name, *typmod, declared)
             {
