@@ -52,11 +52,13 @@ impl Rereading {
                         || model.impacts.contains_key(&r.relation))
             })
             .partition(|r| model.tables.contains_key(&r.relation));
+        let owed: VecDeque<Rematerialization> = dependencies.into_iter().chain(tables).collect();
+        let resumed_at = owed.front().map_or(0, |r| r.rows);
         Rereading {
-            owed: dependencies.into_iter().chain(tables).collect(),
+            owed,
             in_flight: None,
             chunk_rows,
-            reported: (Instant::now(), 0),
+            reported: (Instant::now(), resumed_at),
         }
     }
 
@@ -151,7 +153,8 @@ impl Rereading {
                 "capture: a relation was rematerialized"
             );
             self.owed.pop_front();
-            self.reported = (Instant::now(), 0);
+            let resumed_at = self.owed.front().map_or(0, |r| r.rows);
+            self.reported = (Instant::now(), resumed_at);
         } else if at.elapsed() >= REPORT_EVERY {
             let per_second =
                 record.rows.saturating_sub(rows_then) as f64 / at.elapsed().as_secs_f64();
