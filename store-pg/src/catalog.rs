@@ -255,7 +255,9 @@ async fn validate_table(pool: &PgPool, t: &TableConfig) -> Result<(), Vec<String
         };
         if let Some(e) = type_conflict(&c.type_name, c.typmod, &declared) {
             problems.push(format!("table {id}, column {}: {e}", f.column));
-        } else if f.column == t.primary_key
+        }
+        if f.column == t.primary_key
+            && portable_type(c).is_ok()
             && !matches!(
                 c.type_name.as_str(),
                 "int2" | "int4" | "int8" | "text" | "varchar" | "uuid"
