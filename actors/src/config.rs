@@ -10,6 +10,9 @@ use protocol::manifest::{Composition, FieldManifest, Lifecycle, ManifestError, T
 use protocol::value::{DecimalBounds, FieldType, PortableType};
 use serde::Deserialize;
 
+pub mod auth;
+pub use auth::AuthConfig;
+
 /// The whole config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -289,26 +292,6 @@ fn default_body_timeout_ms() -> u64 {
 /// Each page holds one database connection for its transaction.
 fn default_pull_pages() -> usize {
     12
-}
-
-/// How the adapter authenticates bearer credentials.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(tag = "mode", rename_all = "snake_case", deny_unknown_fields)]
-pub enum AuthConfig {
-    /// HS256 JWTs; `sub` is the user ID. The secret file is created when absent.
-    Hs256 { secret_file: String },
-    /// A file of `token user_id` lines, for local use.
-    StaticTokens { tokens_file: String },
-    /// A trusted upstream proxy has authenticated the request and names the user in a header.
-    Upstream { header: String },
-}
-
-impl Default for AuthConfig {
-    fn default() -> Self {
-        AuthConfig::Hs256 {
-            secret_file: ".synchro/hs256.secret".into(),
-        }
-    }
 }
 
 /// The sources of a client's authoritative scope assignment.

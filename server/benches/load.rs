@@ -378,7 +378,7 @@ async fn abuse(
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let token = server::auth::dev_token(secret, ABUSER, now).unwrap();
+    let token = server::auth::dev_token(secret, ABUSER, now, &Default::default()).unwrap();
     let floods = std::env::var("SYNCHRO_LOAD_FLOODS")
         .unwrap_or_else(|_| "rebuild,push,registration,slow".into());
     let on = |name: &str| floods.split(',').any(|f| f.trim() == name);
@@ -499,7 +499,13 @@ async fn run(
     let mut devices = Vec::new();
     let mut joins = Vec::new();
     for i in 0..clients {
-        let token = server::auth::dev_token(secret, &format!("user-{}", i % users), now).unwrap();
+        let token = server::auth::dev_token(
+            secret,
+            &format!("user-{}", i % users),
+            now,
+            &Default::default(),
+        )
+        .unwrap();
         let transport = Timed {
             inner: HttpTransport::bearer(server.addr, &token),
             sink: sink.clone(),

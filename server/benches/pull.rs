@@ -103,7 +103,10 @@ impl Client {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
-        let bearer = format!("Bearer {}", dev_token(secret, user, now).unwrap());
+        let bearer = format!(
+            "Bearer {}",
+            dev_token(secret, user, now, &Default::default()).unwrap()
+        );
         let mut http = Http::open(addr, bearer).await;
         let client_id = format!("{user}-client");
         let body = json::to_canonical(&actors::testkit::ConnectBody::fresh(&client_id).to_json());
@@ -260,10 +263,9 @@ async fn main() {
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
     let auth = Arc::new(
-        Authenticator::from_config(&AuthConfig::Hs256 {
-            secret_file: secret_file.clone(),
-        })
-        .unwrap(),
+        Authenticator::from_config(&AuthConfig::hs256(&secret_file))
+            .await
+            .unwrap(),
     );
     let mut config = push_config();
     config.limits = actors::testkit::benchmark_limits();
@@ -521,7 +523,10 @@ async fn rebuild_bench(
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let bearer = format!("Bearer {}", dev_token(secret, "rebuild", now).unwrap());
+    let bearer = format!(
+        "Bearer {}",
+        dev_token(secret, "rebuild", now, &Default::default()).unwrap()
+    );
     let mut http = Http::open(addr, bearer).await;
     let connect =
         json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuild-client").to_json());
@@ -592,7 +597,10 @@ async fn rebuild_bench(
     let big = env_or("SYNCHRO_BENCH_STAGE_ROWS", STAGE_ROWS);
     insert_many(store, "rebuildbig", 10_000_000, big).await;
     let server = Served::start(database_url, secret_file).await;
-    let bearer = format!("Bearer {}", dev_token(secret, "rebuildbig", now).unwrap());
+    let bearer = format!(
+        "Bearer {}",
+        dev_token(secret, "rebuildbig", now, &Default::default()).unwrap()
+    );
     let mut http = Http::open(server.addr, bearer).await;
     let connect =
         json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuildbig-client").to_json());

@@ -108,10 +108,10 @@ async fn intake(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<(String, Bytes), Response> {
-    let user = state
-        .auth
-        .authenticate(headers)
-        .ok_or_else(|| reject(ErrorKind::AuthRequired.into()))?;
+    let user = state.auth.authenticate(headers).await.map_err(|refusal| {
+        tracing::debug!(%refusal, "request refused: no valid credential");
+        reject(ErrorKind::AuthRequired.into())
+    })?;
     if !is_json(headers) {
         return Err(reject(ProtocolError::invalid_request(
             "Content-Type must be application/json",

@@ -12,7 +12,7 @@ use actors::Engine;
 use actors::config::{AuthConfig, SyncConfig};
 use clap::{Parser, Subcommand};
 use server::adapter::{AppState, router};
-use server::auth::{Authenticator, dev_token, hs256_secret};
+use server::auth::{Authenticator, dev_token, hs256_secret, hs256_secret_file};
 use server::listener::HttpLimits;
 use sqlx::postgres::PgConnectOptions;
 use store_pg::cluster::PgCluster;
@@ -141,14 +141,14 @@ fn main() -> ExitCode {
 
 fn token(user: &str, config: &Path) -> Result<(), String> {
     let config = load_config(config)?;
-    let AuthConfig::Hs256 { secret_file } = &config.auth else {
+    let AuthConfig::Hs256(auth) = &config.auth else {
         return Err("synchro token works only with auth mode hs256".into());
     };
-    let secret = hs256_secret(Path::new(secret_file))?;
+    let secret = hs256_secret(Path::new(hs256_secret_file(auth)))?;
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    println!("{}", dev_token(&secret, user, now)?);
+    println!("{}", dev_token(&secret, user, now, auth)?);
     Ok(())
 }
 
@@ -355,7 +355,7 @@ async fn serve(
                 p.join("\n  ")
             )
         })?;
-    let auth = Authenticator::from_config(&config.auth)?;
+    let auth = Authenticator::from_config(&config.auth).await?;
     let engine = Engine::start(store, config.clone())
         .await
         .map_err(|e| e.to_string())?;
@@ -366,7 +366,7 @@ async fn serve(
         "synchro: listening on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?
     );
-    if let AuthConfig::Hs256 { .. } = config.auth {
+    if let AuthConfig::Hs256(_) = config.auth {
         println!(
             "synchro: get a dev token with: cargo run -p server -- token --user <user-id> --config {}",
             config_path.display()

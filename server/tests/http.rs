@@ -54,6 +54,7 @@ impl Http {
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_secs(),
+            &Default::default(),
         )
         .unwrap()
     }
@@ -135,11 +136,14 @@ struct HttpFactory {
 }
 
 impl HttpFactory {
-    fn new(secret_dir: &std::path::Path) -> HttpFactory {
+    async fn new(secret_dir: &std::path::Path) -> HttpFactory {
         let secret_file = secret_dir.join("hs256.secret").display().to_string();
         let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
-        let auth =
-            Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+        let auth = Arc::new(
+            Authenticator::from_config(&AuthConfig::hs256(&secret_file))
+                .await
+                .unwrap(),
+        );
         HttpFactory {
             cluster: PgCluster::temp().unwrap(),
             databases: AtomicUsize::new(0),
@@ -206,7 +210,7 @@ async fn http_against_postgres() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let secrets = tempfile::tempdir().unwrap();
-    let factory = HttpFactory::new(secrets.path());
+    let factory = HttpFactory::new(secrets.path()).await;
 
     // Every connect scenario, over HTTP, on PostgreSQL.
     connect_suite(&factory).await;

@@ -32,7 +32,11 @@ async fn listening(max_connections: usize, header_ms: u64, body_ms: u64) -> List
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = hs256_secret(std::path::Path::new(&secret_file)).unwrap();
-    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+    let auth = Arc::new(
+        Authenticator::from_config(&AuthConfig::hs256(&secret_file))
+            .await
+            .unwrap(),
+    );
     let mut config = example_config(|s| s);
     config.server.body_timeout_ms = body_ms;
     let engine = Engine::start(example_mem_store(1).await, config.clone())
@@ -53,7 +57,7 @@ async fn listening(max_connections: usize, header_ms: u64, body_ms: u64) -> List
         .as_secs();
     Listening {
         addr,
-        token: dev_token(&secret, "alice", now).unwrap(),
+        token: dev_token(&secret, "alice", now, &Default::default()).unwrap(),
         _secrets: secrets,
     }
 }

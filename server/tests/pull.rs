@@ -34,7 +34,10 @@ fn http(engine: &Engine, auth: Arc<Authenticator>, secret: Arc<Vec<u8>>) -> Tran
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_secs();
-            let bearer = format!("Bearer {}", dev_token(&secret, &user, now).unwrap());
+            let bearer = format!(
+                "Bearer {}",
+                dev_token(&secret, &user, now, &Default::default()).unwrap()
+            );
             let headers = [
                 ("authorization", bearer.as_str()),
                 ("content-type", "application/json"),
@@ -54,10 +57,14 @@ fn http(engine: &Engine, auth: Arc<Authenticator>, secret: Arc<Vec<u8>>) -> Tran
 }
 
 /// Every engine a suite starts, served over HTTP with one HS256 secret.
-fn serve(secrets: &std::path::Path) -> Serve {
+async fn serve(secrets: &std::path::Path) -> Serve {
     let secret_file = secrets.join("hs256.secret").display().to_string();
     let secret = Arc::new(hs256_secret(std::path::Path::new(&secret_file)).unwrap());
-    let auth = Arc::new(Authenticator::from_config(&AuthConfig::Hs256 { secret_file }).unwrap());
+    let auth = Arc::new(
+        Authenticator::from_config(&AuthConfig::hs256(&secret_file))
+            .await
+            .unwrap(),
+    );
     Arc::new(move |engine: &Engine| http(engine, auth.clone(), secret.clone()))
 }
 
@@ -68,7 +75,7 @@ async fn every_pull_rule_over_http() {
         store: example_store(&cluster, "pull_http").await,
     };
     let secrets = tempfile::tempdir().unwrap();
-    pull_suite_via(&world, serve(secrets.path())).await;
+    pull_suite_via(&world, serve(secrets.path()).await).await;
 }
 
 #[tokio::test]
@@ -78,5 +85,5 @@ async fn every_rebuild_rule_over_http() {
         store: example_store(&cluster, "rebuild_http").await,
     };
     let secrets = tempfile::tempdir().unwrap();
-    rebuild_suite_via(&world, serve(secrets.path())).await;
+    rebuild_suite_via(&world, serve(secrets.path()).await).await;
 }
