@@ -18,11 +18,13 @@ use axum::http::{HeaderMap, StatusCode};
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use ring::rand::SystemRandom;
-use ring::signature::{self, KeyPair as _};
 use serde_json::{Value, json};
 use server::adapter::{AppState, router};
 use server::auth::{Authenticator, Refusal};
+use signer::{Signer, b64, hmac_token};
+
+mod common;
+mod signer;
 
 const ISSUER: &str = "https://idp.test/";
 const AUDIENCE: &str = "synchro-api";
@@ -32,103 +34,6 @@ fn now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs()
-}
-
-fn b64(bytes: &[u8]) -> String {
-    URL_SAFE_NO_PAD.encode(bytes)
-}
-
-/// A private key, its `kid`, and the public JWK a provider would publish.
-struct Signer {
-    kid: Option<String>,
-    alg: Algorithm,
-    key: EncodingKey,
-    jwk: Value,
-}
-
-impl Signer {
-    /// A fixture RSA key (`tests/keys`); the JWK names `alg` when given.
-    fn rsa(kid: &str, fixture: &str, alg: Algorithm, jwk_alg: bool) -> Signer {
-        let pem = std::fs::read(format!(
-            "{}/tests/keys/{fixture}",
-            env!("CARGO_MANIFEST_DIR")
-        ))
-        .unwrap();
-        let text = String::from_utf8(pem.clone()).unwrap();
-        let body: String = text.lines().filter(|l| !l.starts_with("-----")).collect();
-        let der = base64::engine::general_purpose::STANDARD
-            .decode(body)
-            .unwrap();
-        let pair = signature::RsaKeyPair::from_der(&der).unwrap();
-        let public = signature::RsaPublicKeyComponents::<Vec<u8>>::from(pair.public());
-        let mut jwk = json!({"kty": "RSA", "use": "sig", "kid": kid, "n": b64(&public.n), "e": b64(&public.e)});
-        if jwk_alg {
-            jwk["alg"] = json!(format!("{alg:?}"));
-        }
-        Signer {
-            kid: Some(kid.into()),
-            alg,
-            key: EncodingKey::from_rsa_pem(&pem).unwrap(),
-            jwk,
-        }
-    }
-
-    /// A fresh EC key on P-256 (ES256) or P-384 (ES384).
-    fn ec(kid: &str, alg: Algorithm) -> Signer {
-        let (ring_alg, crv, half) = match alg {
-            Algorithm::ES256 => (&signature::ECDSA_P256_SHA256_FIXED_SIGNING, "P-256", 32),
-            Algorithm::ES384 => (&signature::ECDSA_P384_SHA384_FIXED_SIGNING, "P-384", 48),
-            _ => unreachable!(),
-        };
-        let rng = SystemRandom::new();
-        let pkcs8 = signature::EcdsaKeyPair::generate_pkcs8(ring_alg, &rng).unwrap();
-        let pair = signature::EcdsaKeyPair::from_pkcs8(ring_alg, pkcs8.as_ref(), &rng).unwrap();
-        // An uncompressed point: 0x04, x, y.
-        let point = pair.public_key().as_ref();
-        let (x, y) = point[1..].split_at(half);
-        Signer {
-            kid: Some(kid.into()),
-            alg,
-            key: EncodingKey::from_ec_der(pkcs8.as_ref()),
-            jwk: json!({"kty": "EC", "crv": crv, "kid": kid, "x": b64(x), "y": b64(y), "alg": format!("{alg:?}")}),
-        }
-    }
-
-    /// A fresh Ed25519 key (EdDSA).
-    fn ed25519(kid: &str) -> Signer {
-        let pkcs8 = signature::Ed25519KeyPair::generate_pkcs8(&SystemRandom::new()).unwrap();
-        let pair = signature::Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).unwrap();
-        Signer {
-            kid: Some(kid.into()),
-            alg: Algorithm::EdDSA,
-            key: EncodingKey::from_ed_der(pkcs8.as_ref()),
-            jwk: json!({"kty": "OKP", "crv": "Ed25519", "kid": kid, "x": b64(pair.public_key().as_ref())}),
-        }
-    }
-
-    fn sign(&self, claims: &Value) -> String {
-        self.sign_with(self.alg, self.kid.as_deref(), claims)
-    }
-
-    fn sign_with(&self, alg: Algorithm, kid: Option<&str>, claims: &Value) -> String {
-        let mut header = Header::new(alg);
-        header.kid = kid.map(str::to_owned);
-        jsonwebtoken::encode(&header, claims, &self.key).unwrap()
-    }
-}
-
-/// A token signed by HMAC with `secret`, with any header (even one the JWT
-/// crate would not write).
-fn hmac_token(secret: &[u8], header: &Value, claims: &Value) -> String {
-    use hmac::Mac as _;
-    let input = format!(
-        "{}.{}",
-        b64(header.to_string().as_bytes()),
-        b64(claims.to_string().as_bytes())
-    );
-    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
-    mac.update(input.as_bytes());
-    format!("{input}.{}", b64(&mac.finalize().into_bytes()))
 }
 
 /// Claims a provider would send for `alice`.
@@ -489,6 +394,17 @@ async fn startup_needs_every_jwks_url_to_answer() {
         panic!("started without a usable key");
     };
     assert!(e.contains("no usable signing key"), "{e}");
+    // https is TLS, never a quiet fallback to plain text.
+    let plain = jwks.url.replace("http://", "https://");
+    let Err(e) = Authenticator::from_config(&AuthConfig::Jwt(TokenAuth {
+        jwks_url: vec![plain.clone()],
+        ..TokenAuth::default()
+    }))
+    .await
+    else {
+        panic!("plain http taken for https");
+    };
+    assert!(e.contains(&plain) && e.contains("request failed"), "{e}");
     for url in ["http://idp.test/jwks.json", "file:///etc/jwks.json"] {
         let config = TokenAuth {
             jwks_url: vec![url.into()],
@@ -722,25 +638,24 @@ impl Served {
 
     /// A fresh client's connect with this bearer token: status and body.
     async fn connect(&self, token: &str) -> (u16, String) {
-        use http_body_util::BodyExt as _;
-        let client =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build_http();
         let body = json!({
             "client_id": "0f8fad5b-d9cb-469f-a165-70867728950e", "platform": "ios",
             "app_version": "1.0.0", "protocol_version": 3, "schema": {"version": 0, "hash": ""},
             "scope_set_version": 0, "known_scopes": {},
         });
-        let request = hyper::Request::post(format!("http://{}/sync/connect", self.addr))
-            .header("authorization", format!("Bearer {token}"))
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(hyper::body::Bytes::from(
-                body.to_string(),
-            )))
-            .unwrap();
-        let response = client.request(request).await.unwrap();
-        let status = response.status().as_u16();
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8(bytes.to_vec()).unwrap())
+        let bearer = format!("Bearer {token}");
+        let headers = [
+            ("authorization", bearer.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let (status, _, body) = common::request(
+            self.addr,
+            "POST",
+            "/sync/connect",
+            &headers,
+            body.to_string().into_bytes(),
+        )
+        .await;
+        (status, String::from_utf8(body).unwrap())
     }
 }
