@@ -64,8 +64,11 @@ impl TokenVerifier {
     pub async fn verify(&self, token: &str) -> Result<String, Refusal> {
         let header = self.header(token)?;
         let mut candidates = self.candidates(&header);
-        if candidates.is_empty()
-            && header.kid.is_some()
+        // A `kid` that no key names is fetched for, even when keys without
+        // a `kid` (which answer any) are candidates.
+        let named = |keys: &[VerifyingKey]| keys.iter().any(|k| k.kid.is_some());
+        if header.kid.is_some()
+            && !named(&candidates)
             && let Some(remote) = &self.remote
         {
             remote.refetch_for_unknown_kid().await;
