@@ -13,16 +13,20 @@ use crate::capture::CaptureProgress;
 use crate::registry::{Registry, store_error};
 use crate::reply::Reply;
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+use crate::visibility::{MAX_WAITED_FENCES, Visibility};
 
 /// How often an attempt whose snapshot lost a write conflict runs again
 /// before it answers 503.
 const SNAPSHOT_ATTEMPTS: usize = 4;
 
-/// Why one attempt failed: a store failure (an operational one is retried)
-/// or the protocol answer.
+/// Why one attempt failed: a store failure (an operational one is retried),
+/// the protocol answer, or writes of the client still awaiting capture
+/// (waited for, then `capture_pending`).
 pub enum Failure {
     Store(StoreError),
     Protocol(ProtocolError),
+    /// These fences of the client are pending (at most `MAX_WAITED_FENCES`).
+    Pending(Vec<u64>),
 }
 
 impl From<StoreError> for Failure {
@@ -43,8 +47,32 @@ impl From<ProtocolError> for Failure {
 const RETRY_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Runs `attempt` until it answers: a snapshot that lost a write conflict
-/// (or a lost connection) runs again, and the client never sees it.
-pub async fn retried<F, Fut>(mut attempt: F) -> Reply
+/// (or a lost connection) runs again, and the client never sees it; one
+/// that finds the client's writes awaiting capture runs again once capture
+/// reports them materialized, within `visibility.bound` from the start.
+pub async fn retried<F, Fut>(visibility: &Visibility, mut attempt: F) -> Reply
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Vec<u8>, Failure>>,
+{
+    let deadline = tokio::time::Instant::now() + visibility.bound;
+    loop {
+        // Watched before the attempt's snapshot: no report falls between.
+        let mut watch = visibility.fences.watch();
+        match attempts(&mut attempt).await {
+            Err(pending) => {
+                if !watch.satisfied(&pending, deadline).await {
+                    return Reply::error(&ProtocolError::new(ErrorKind::CapturePending));
+                }
+            }
+            Ok(reply) => return reply,
+        }
+    }
+}
+
+/// Up to `SNAPSHOT_ATTEMPTS` of `attempt`: its answer, or the client's
+/// fences that await capture.
+async fn attempts<F, Fut>(attempt: &mut F) -> Result<Reply, Vec<u64>>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Vec<u8>, Failure>>,
@@ -56,16 +84,20 @@ where
             break;
         }
         match attempt().await {
-            Ok(body) => return Reply::ok(body),
+            Ok(body) => return Ok(Reply::ok(body)),
             Err(Failure::Store(StoreError::Unavailable(m))) => {
                 last = Some(StoreError::Unavailable(m));
             }
-            Err(Failure::Store(e)) => return Reply::error(&store_error(e)),
-            Err(Failure::Protocol(e)) => return Reply::error(&e),
+            Err(Failure::Store(e)) => return Ok(Reply::error(&store_error(e))),
+            Err(Failure::Protocol(e)) => return Ok(Reply::error(&e)),
+            Err(Failure::Pending(fences)) => {
+                assert!(!fences.is_empty(), "a pending answer names its fences");
+                return Err(fences);
+            }
         }
     }
     let e = last.unwrap_or(StoreError::Unavailable("no attempt".into()));
-    Reply::error(&store_error(e))
+    Ok(Reply::error(&store_error(e)))
 }
 
 /// Step 1: the client `client_id` names, locked, when it is bound to
@@ -86,7 +118,7 @@ pub async fn bind<T: StoreTx>(
 
 /// Step 9's gates: capture must be running (`capture_blocked` otherwise)
 /// and must have materialized every write accepted from `client_id`
-/// (`capture_pending` otherwise).
+/// (`Failure::Pending` otherwise: waited for, then `capture_pending`).
 pub async fn capture_gates<T: StoreTx>(
     tx: &mut T,
     progress: &CaptureProgress,
@@ -99,8 +131,9 @@ pub async fn capture_gates<T: StoreTx>(
         })
         .into());
     }
-    if tx.has_pending_fence(client_id).await? {
-        return Err(ProtocolError::new(ErrorKind::CapturePending).into());
+    let pending = tx.pending_fences(client_id, MAX_WAITED_FENCES).await?;
+    if !pending.is_empty() {
+        return Err(Failure::Pending(pending));
     }
     Ok(())
 }

@@ -260,6 +260,11 @@ pub struct ServerConfig {
     /// A request's body must arrive within this once its head did (milliseconds).
     #[serde(default = "default_body_timeout_ms")]
     pub body_timeout_ms: u64,
+    /// A pull or rebuild whose client's own writes await capture waits for
+    /// them up to this (milliseconds) before it answers `503
+    /// capture_pending`; zero answers at once.
+    #[serde(default = "default_capture_wait_ms")]
+    pub capture_wait_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -271,6 +276,7 @@ impl Default for ServerConfig {
             max_connections: default_max_connections(),
             header_timeout_ms: default_header_timeout_ms(),
             body_timeout_ms: default_body_timeout_ms(),
+            capture_wait_ms: default_capture_wait_ms(),
         }
     }
 }
@@ -287,6 +293,12 @@ fn default_header_timeout_ms() -> u64 {
 /// 1 MiB at 35 KiB/s.
 fn default_body_timeout_ms() -> u64 {
     30_000
+}
+
+/// Capture materializes a commit in milliseconds; a second covers a burst
+/// and stays well below a client's patience.
+fn default_capture_wait_ms() -> u64 {
+    1_000
 }
 
 /// Each page holds one database connection for its transaction.

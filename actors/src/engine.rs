@@ -20,6 +20,7 @@ use crate::rebuild::Rebuilder;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::store::Store;
+use crate::visibility::{SatisfiedFences, Visibility};
 
 enum RegistryMsg {
     Connect {
@@ -120,10 +121,15 @@ impl Engine {
         let push_tx = serve_requests(ledger, PARALLEL_PUSHES, |ledger, m| async move {
             ledger.push(&m.user_id, &m.body, m.now_micros).await
         });
+        let visibility = Visibility {
+            fences: SatisfiedFences::default(),
+            bound: Duration::from_millis(config.server.capture_wait_ms),
+        };
         let puller = Arc::new(Puller::new(
             store.clone(),
             registry.clone(),
             admission.clone(),
+            visibility.clone(),
         ));
         let pull_tx = serve_requests(puller, PARALLEL_PULLS, |puller, m| async move {
             puller.pull(&m.user_id, &m.body, m.now_micros).await
@@ -133,6 +139,7 @@ impl Engine {
             registry.clone(),
             admission.clone(),
             config.limits.clone(),
+            visibility.clone(),
         ));
         let rebuild_tx = serve_requests(rebuilder, PARALLEL_PULLS, |rebuilder, m| async move {
             rebuilder.rebuild(&m.user_id, &m.body, m.now_micros).await
@@ -148,7 +155,7 @@ impl Engine {
             .capture_store()
             .await
             .map_err(|e| RegistryError::Config(e.to_string()))?;
-        let capture = materializer::spawn(capture_store, &config, limits)
+        let capture = materializer::spawn(capture_store, &config, limits, visibility.fences)
             .await
             .map_err(RegistryError::Config)?;
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);

@@ -19,6 +19,7 @@ pub mod reply;
 pub mod staging;
 pub mod store;
 pub mod stream;
+pub mod visibility;
 
 pub use engine::Engine;
 pub use reply::Reply;

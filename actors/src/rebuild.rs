@@ -32,6 +32,7 @@ use crate::registry::Registry;
 use crate::reply::Reply;
 use crate::staging::{FORGET_AFTER_MICROS, RebuildSession, SESSION_LIFETIME_MICROS, StagedRow};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+use crate::visibility::Visibility;
 
 /// Staged digests read back at once while sealing a session.
 const DIGEST_CHUNK: usize = 10_000;
@@ -53,6 +54,8 @@ pub struct Rebuilder<S: Store> {
     limits: LimitsConfig,
     /// The server time of the latest request: wakes the sweep.
     clock: watch::Sender<i64>,
+    /// How a rebuild waits for its client's writes to be captured.
+    visibility: Visibility,
 }
 
 /// What the request asks for, once its continuation is judged current.
@@ -74,6 +77,7 @@ impl<S: Store> Rebuilder<S> {
         registry: Arc<Registry<S>>,
         admission: Arc<Admission>,
         limits: LimitsConfig,
+        visibility: Visibility,
     ) -> Self {
         let (clock, time) = watch::channel(i64::MIN);
         tokio::spawn(sweep(store.clone(), time));
@@ -83,13 +87,17 @@ impl<S: Store> Rebuilder<S> {
             admission,
             limits,
             clock,
+            visibility,
         }
     }
 
     /// `/sync/rebuild` for the authenticated `user_id`, at server time
     /// `now_micros`. The time then wakes the sweep.
     pub async fn rebuild(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        let reply = attempt::retried(|| self.rebuild_once(user_id, body, now_micros)).await;
+        let reply = attempt::retried(&self.visibility, || {
+            self.rebuild_once(user_id, body, now_micros)
+        })
+        .await;
         self.clock.send_replace(now_micros);
         reply
     }

@@ -12,6 +12,12 @@ async fn pull_pages_cursors_and_checksums() {
 }
 
 #[tokio::test]
+async fn a_pull_waits_for_capture() {
+    let store = example_mem_store(13).await;
+    actors::testkit::a_pull_waits_for_its_own_writes(&store, &store).await;
+}
+
+#[tokio::test]
 async fn pull_state_conformance() {
     actors::testkit::pull_store_suite(&actors::store::MemStore::new()).await;
 }

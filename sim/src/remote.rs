@@ -91,7 +91,7 @@ enum Op {
     InsertTokenKeys(Vec<TokenKey>),
     Checkpoints(String),
     PutCheckpoints(String, Vec<(ScopeId, Checkpoint)>),
-    HasPendingFence(String),
+    PendingFences(String, usize),
     ReconcileFences,
     ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
     LastEffectBefore(ScopeId, StreamPosition),
@@ -139,6 +139,7 @@ enum Answer {
     Position(Result<Option<StreamPosition>, StoreError>),
     Session(Result<Option<RebuildSession>, StoreError>),
     Count(Result<u64, StoreError>),
+    Fences(Result<Vec<u64>, StoreError>),
     Usage(Result<RebuildUsage, StoreError>),
     Staged(Result<Vec<StagedRow>, StoreError>),
     Ledger(Result<LedgerEntries, StoreError>),
@@ -487,7 +488,7 @@ async fn transaction(
             Op::InsertTokenKeys(k) => (Answer::Unit(tx.insert_token_keys(&k).await), false),
             Op::Checkpoints(c) => (Answer::Checkpoints(tx.checkpoints(&c).await), false),
             Op::PutCheckpoints(c, p) => (Answer::Unit(tx.put_checkpoints(&c, &p).await), false),
-            Op::HasPendingFence(c) => (Answer::Inserted(tx.has_pending_fence(&c).await), false),
+            Op::PendingFences(c, max) => (Answer::Fences(tx.pending_fences(&c, max).await), false),
             Op::ReconcileFences => (Answer::Count(tx.reconcile_fences().await), false),
             Op::ScopeCandidates(scope, after, through, max) => (
                 Answer::Effects(tx.scope_candidates(&scope, after, through, max).await),
@@ -1223,9 +1224,16 @@ impl StoreTx for RemoteTx {
         }
     }
 
-    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
-        match self.call(Op::HasPendingFence(client_id.to_owned())).await? {
-            Answer::Inserted(r) => r,
+    async fn pending_fences(
+        &mut self,
+        client_id: &str,
+        max: usize,
+    ) -> Result<Vec<u64>, StoreError> {
+        match self
+            .call(Op::PendingFences(client_id.to_owned(), max))
+            .await?
+        {
+            Answer::Fences(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -107,6 +107,19 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// The same store over a new pool of at most `connections` (a pool of
+    /// one shows what holds a connection). Capture keeps its own.
+    pub fn with_connections(&self, connections: u32) -> PgStore {
+        assert!(connections > 0, "a pool holds at least one connection");
+        PgStore {
+            pool: PgPoolOptions::new()
+                .max_connections(connections)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .connect_lazy_with(self.options.clone()),
+            ..self.clone()
+        }
+    }
 }
 
 /// Binds a client record's columns as `$1..$10`, in the table's order.
@@ -627,8 +640,12 @@ impl StoreTx for PgTx {
         self.write_checkpoints(client_id, checkpoints).await
     }
 
-    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
-        self.read_pending_fence(client_id).await
+    async fn pending_fences(
+        &mut self,
+        client_id: &str,
+        max: usize,
+    ) -> Result<Vec<u64>, StoreError> {
+        self.read_pending_fences(client_id, max).await
     }
 
     async fn reconcile_fences(&mut self) -> Result<u64, StoreError> {

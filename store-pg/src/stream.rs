@@ -228,15 +228,22 @@ impl PgTx {
         Ok(())
     }
 
-    pub(crate) async fn read_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
-        sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM synchro.pending_fences p WHERE p.client_id = $1 \
-               AND NOT EXISTS (SELECT 1 FROM synchro.satisfied_fences s WHERE s.fence = p.fence))",
+    pub(crate) async fn read_pending_fences(
+        &mut self,
+        client_id: &str,
+        max: usize,
+    ) -> Result<Vec<u64>, StoreError> {
+        let rows: Vec<i64> = sqlx::query_scalar(
+            "SELECT p.fence FROM synchro.pending_fences p WHERE p.client_id = $1 \
+               AND NOT EXISTS (SELECT 1 FROM synchro.satisfied_fences s WHERE s.fence = p.fence) \
+             ORDER BY p.fence LIMIT $2",
         )
         .bind(client_id)
-        .fetch_one(&mut *self.tx)
+        .bind(to_i64(max as u64)?)
+        .fetch_all(&mut *self.tx)
         .await
-        .map_err(db_error)
+        .map_err(db_error)?;
+        rows.into_iter().map(to_u64).collect()
     }
 
     pub(crate) async fn read_scope_candidates(

@@ -17,6 +17,14 @@ async fn every_pull_rule_on_postgres() {
     pull_suite(&world).await;
 }
 
+/// A pull waiting for its client's push holds none of a pool of one.
+#[tokio::test]
+async fn a_pull_waits_for_capture_without_a_connection() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "pull_wait").await;
+    actors::testkit::a_pull_waits_for_its_own_writes(&store, &store.with_connections(1)).await;
+}
+
 #[tokio::test]
 async fn pull_state_conformance() {
     let cluster = PgCluster::temp().unwrap();

@@ -16,6 +16,7 @@ mod model;
 mod reread;
 mod step;
 
+use crate::visibility::SatisfiedFences;
 use std::time::Duration;
 
 use protocol::position::Boundary;
@@ -90,6 +91,7 @@ pub async fn spawn<S: Store>(
     store: S,
     config: &SyncConfig,
     limits: MaterializerLimits,
+    satisfied: SatisfiedFences,
 ) -> Result<watch::Receiver<CaptureStatus>, String> {
     let manifest = {
         let mut tx = store.begin().await.map_err(|e| e.to_string())?;
@@ -106,7 +108,7 @@ pub async fn spawn<S: Store>(
         loop {
             match store.change_feed().await {
                 Ok(Some(feed)) => {
-                    if let Err(e) = lead(&store, &model, feed, limits, &status).await {
+                    if let Err(e) = lead(&store, &model, feed, limits, &status, &satisfied).await {
                         tracing::warn!(error = %e, "materializer: store failed; reopening the feed");
                         if !matches!(*status.borrow(), CaptureStatus::Blocked(_)) {
                             status.send_replace(CaptureStatus::Unavailable);
@@ -269,6 +271,7 @@ async fn lead<S: Store>(
     mut feed: S::Feed,
     limits: MaterializerLimits,
     status: &watch::Sender<CaptureStatus>,
+    satisfied: &SatisfiedFences,
 ) -> Result<(), StoreError> {
     let (progress, generation, records) = {
         let mut tx = store.begin().await?;
@@ -307,6 +310,7 @@ async fn lead<S: Store>(
                 boundary: after,
                 end_lsn,
             } => {
+                satisfied.report(&owed.covered_fences);
                 boundary = after;
                 durable_end = end_lsn;
                 blocked = None; // completing the baseline clears its quarantine
@@ -468,6 +472,8 @@ async fn lead<S: Store>(
             };
             durable_end = m.end_lsn;
             feed.acknowledge(durable_end).await?;
+            // Requests waiting for these writes run again (`visibility`).
+            satisfied.report(&m.fences);
             for record in &m.rematerialized {
                 rereading.committed(record);
             }

@@ -30,6 +30,7 @@ use crate::registry::{Registry, reconcile_assignment};
 use crate::reply::Reply;
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 use crate::stream::Checkpoint;
+use crate::visibility::Visibility;
 use checksum::ChecksumCache;
 use page::ScopeEffects;
 
@@ -41,6 +42,8 @@ pub struct Puller<S: Store> {
     checksums: ChecksumCache,
     /// Page admission, fair per user; a pull past it answers 429.
     admission: Arc<Admission>,
+    /// How a pull waits for its client's writes to be captured.
+    visibility: Visibility,
 }
 
 /// One scope the page reads: its presented position.
@@ -52,18 +55,24 @@ struct Resumed<'a> {
 
 impl<S: Store> Puller<S> {
     /// A puller that builds a page only when `admission` admits it.
-    pub fn new(store: S, registry: Arc<Registry<S>>, admission: Arc<Admission>) -> Self {
+    pub fn new(
+        store: S,
+        registry: Arc<Registry<S>>,
+        admission: Arc<Admission>,
+        visibility: Visibility,
+    ) -> Self {
         Puller {
             store,
             registry,
             checksums: ChecksumCache::default(),
             admission,
+            visibility,
         }
     }
 
     /// `/sync/pull` for the authenticated `user_id`, at server time `now_micros`.
     pub async fn pull(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        attempt::retried(|| async {
+        attempt::retried(&self.visibility, || async {
             self.pull_once(user_id, body, now_micros)
                 .await
                 .map(|r| r.to_body())

@@ -329,12 +329,14 @@ pub trait StoreTx: Send {
         checkpoints: &[(ScopeId, Checkpoint)],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Whether a write accepted from this client awaits materialization:
-    /// a pending fence of it that no materialization recorded satisfied.
-    fn has_pending_fence(
+    /// The writes accepted from this client that await materialization:
+    /// its pending fences that no materialization recorded satisfied, in
+    /// fence order, at most `max` of them (empty: none awaits).
+    fn pending_fences(
         &mut self,
         client_id: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+        max: usize,
+    ) -> impl Future<Output = Result<Vec<u64>, StoreError>> + Send;
 
     /// Removes every pending fence recorded satisfied together with its
     /// record (ADR 0014: a materialization that ran before the write's

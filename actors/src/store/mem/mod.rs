@@ -673,11 +673,18 @@ impl StoreTx for MemTx {
         Ok(())
     }
 
-    async fn has_pending_fence(&mut self, client_id: &str) -> Result<bool, StoreError> {
+    async fn pending_fences(
+        &mut self,
+        client_id: &str,
+        max: usize,
+    ) -> Result<Vec<u64>, StoreError> {
         let c = &self.work.capture;
         Ok(c.pending_fences
             .iter()
-            .any(|(f, c_id)| c_id == client_id && !c.satisfied_fences.contains(f)))
+            .filter(|(f, c_id)| *c_id == client_id && !c.satisfied_fences.contains(f))
+            .map(|(f, _)| *f)
+            .take(max)
+            .collect())
     }
 
     async fn reconcile_fences(&mut self) -> Result<u64, StoreError> {
