@@ -69,7 +69,9 @@ impl FenceWatch {
     pub async fn satisfied(&mut self, pending: &[u64], deadline: Instant) -> bool {
         let mut left: BTreeSet<u64> = pending.iter().copied().collect();
         while !left.is_empty() {
-            match tokio::time::timeout_at(deadline, self.receiver.recv()).await {
+            // `timeout`, not `timeout_at`: the simulator has only the former.
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(remaining, self.receiver.recv()).await {
                 Err(_) => return false,
                 Ok(Ok(fences)) => {
                     for f in fences.iter() {

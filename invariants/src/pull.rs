@@ -13,6 +13,9 @@
 //!   the state of its last effect at or before P, unless a later effect of
 //!   that row (still to come) covers it;
 //! - [`check_checkpoints`]: acknowledged checkpoints never move backward;
+//! - [`check_own_writes`]: a terminal page never claims state older than
+//!   the client's accepted push: once it installs the cursor of a scope,
+//!   the client holds every row it pushed into that scope before it asked;
 //! - [`check_converged`]: after quiescence each assigned scope's local
 //!   rows equal the server's members, digest for digest.
 
@@ -591,6 +594,25 @@ pub fn check_cursor(
         }
     }
     Ok(())
+}
+
+/// Read your writes (wire spec, "A page or terminal checksum can never
+/// claim state older than the client's accepted push"): after a terminal
+/// page installed the cursor of `scope`, `rows` holds each of `pushed`, the
+/// identities of rows the client's accepted pushes put into that scope
+/// before it sent the request (and that nothing else moves or deletes).
+pub fn check_own_writes(
+    scope: &str,
+    pushed: &[Vec<u8>],
+    rows: &BTreeMap<Vec<u8>, LocalRow>,
+) -> Result<(), String> {
+    match pushed.iter().find(|identity| !rows.contains_key(*identity)) {
+        Some(missing) => Err(format!(
+            "{scope}: a terminal page installed its cursor without the client's accepted push of {}",
+            String::from_utf8_lossy(missing)
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Checkpoints never move backward: `history` is every checkpoint read,

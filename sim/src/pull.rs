@@ -65,6 +65,9 @@ pub enum Mutant {
     /// mutant's client has the application change a row of each page it
     /// gets, and replays the page once capture took the change.
     LivePages,
+    /// The store never sees a client's fence pending: a pull right after
+    /// a push is served from before the push was captured.
+    UnseenFences,
 }
 
 /// Knobs of one pull run.
@@ -133,6 +136,17 @@ pub struct PullTrace {
     pub accepted: Vec<(String, String)>,
     /// Every checkpoint read, per (client, scope), in order.
     pub checkpoints: BTreeMap<(String, String), Vec<(u64, StreamPosition)>>,
+}
+
+/// The row identity of the note with this key.
+fn note_identity(note: &str) -> Vec<u8> {
+    protocol::digest::RowIdentity::new(
+        "tbl_notes",
+        "fld_notes_id",
+        &protocol::value::TypedValue::String(note.to_owned()),
+    )
+    .as_bytes()
+    .to_vec()
 }
 
 fn note_key(k: usize) -> String {
@@ -428,6 +442,11 @@ impl Client {
         let body = self
             .replica
             .request(&self.client_id, self.generation, limit);
+        // This client's accepted pushes so far: a terminal answer holds them.
+        let pushed: Vec<Vec<u8>> = (trace.lock().expect("trace").accepted.iter())
+            .filter(|(client, _)| *client == self.client_id)
+            .map(|(_, note)| note_identity(note))
+            .collect();
         let mut page = loop {
             let (status, page) = call(&mut self.link, &self.user, PULL, &body, trace).await;
             match status {
@@ -506,6 +525,17 @@ impl Client {
         if !applied.has_more {
             // A damaged row that a change overwrote (or removed) healed.
             self.damaged.clear();
+            let own = format!("user:{}", self.user);
+            if applied.cursors.contains(&own)
+                && !applied.mismatched.contains(&own)
+                && let Err(v) = invariants::pull::check_own_writes(
+                    &own,
+                    &pushed,
+                    &self.replica.scopes[&own].rows,
+                )
+            {
+                self.note(trace, format!("{}: {v}", self.client_id));
+            }
         }
         for s in &applied.cursors {
             if let Err(v) = check_installed(store, s, &self.replica, received, generation_now).await
@@ -679,7 +709,7 @@ async fn mutate(
         _ => return None,
     };
     match m {
-        Mutant::DropRecord | Mutant::LivePages => return None,
+        Mutant::DropRecord | Mutant::LivePages | Mutant::UnseenFences => return None,
         Mutant::CrossGeneration => {
             let current = {
                 let mut tx = store.begin().await.ok()?;
@@ -1103,6 +1133,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     if scenario.mutant == Some(Mutant::LivePages) {
         store.plant_live_rebuild_pages().await;
     }
+    if scenario.mutant == Some(Mutant::UnseenFences) {
+        store.plant_unseen_fences().await;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone(), None));
@@ -1190,6 +1223,10 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     if scenario.mutant == Some(Mutant::LivePages) {
         t.mutated = t.rebuild_pages > 0;
     }
+    // The store's bug has its chance on every pull after an accepted push.
+    if scenario.mutant == Some(Mutant::UnseenFences) {
+        t.mutated = !t.accepted.is_empty();
+    }
     if let Err(v) = invariants::pull::check_checkpoints(&t.checkpoints) {
         t.violations.push(v);
     }
@@ -1243,16 +1280,11 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             .iter()
             .find(|c| &c.client_id == client_id)
             .ok_or("an unknown author")?;
-        let identity = protocol::digest::RowIdentity::new(
-            "tbl_notes",
-            "fld_notes_id",
-            &protocol::value::TypedValue::String(note.clone()),
-        );
         let held = c
             .replica
             .scopes
             .get(&format!("user:{}", c.user))
-            .is_some_and(|s| s.rows.contains_key(identity.as_bytes()));
+            .is_some_and(|s| s.rows.contains_key(&note_identity(note)));
         if !held {
             t.violations
                 .push(format!("{client_id}: the accepted push of {note} is lost"));

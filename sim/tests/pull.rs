@@ -122,6 +122,15 @@ async fn a_rebuild_page_rendered_from_live_rows_is_caught() {
     .await;
 }
 
+#[madsim::test]
+async fn a_pull_served_before_its_own_push_is_caught() {
+    caught(
+        Mutant::UnseenFences,
+        "a_pull_served_before_its_own_push_is_caught",
+    )
+    .await;
+}
+
 /// Mid-run the slot is lost and an operator resets the stream (ADR 0012)
 /// while clients pull, push and rebuild, the server crashes and links
 /// lose messages: every client converges to the server's projection,

@@ -111,6 +111,9 @@ pub(super) struct CaptureState {
     pub(super) rematerializations: BTreeMap<String, Rematerialization>,
     /// A planted bug: a re-read chunk of this relation finds no rows.
     pub reread_skips: Option<String>,
+    /// A planted bug: no client's fence is ever seen pending, so pull and
+    /// rebuild serve state older than the client's accepted push.
+    pub(super) fences_unseen: bool,
 }
 
 impl CaptureState {
@@ -159,6 +162,7 @@ impl CaptureState {
             members: BTreeMap::new(),
             rematerializations: BTreeMap::new(),
             reread_skips: None,
+            fences_unseen: false,
         }
     }
 

@@ -258,6 +258,12 @@ impl MemStore {
         state.rebuilds.live(&state.clients, now_micros)
     }
 
+    /// Plants a bug: no client's fence is ever seen pending, so a pull or
+    /// rebuild right after a push may serve state older than the push.
+    pub async fn plant_unseen_fences(&self) {
+        self.state.lock().await.capture.fences_unseen = true;
+    }
+
     /// Plants a bug: a new rebuild attempt supersedes no session.
     pub async fn plant_no_supersede(&self) {
         self.state.lock().await.rebuilds.no_supersede = true;
@@ -679,6 +685,9 @@ impl StoreTx for MemTx {
         max: usize,
     ) -> Result<Vec<u64>, StoreError> {
         let c = &self.work.capture;
+        if c.fences_unseen {
+            return Ok(Vec::new());
+        }
         Ok(c.pending_fences
             .iter()
             .filter(|(f, c_id)| *c_id == client_id && !c.satisfied_fences.contains(f))
