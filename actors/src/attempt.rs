@@ -58,11 +58,13 @@ where
     let deadline = tokio::time::Instant::now() + visibility.bound;
     loop {
         // Watched before the attempt's snapshot: no report falls between.
-        let mut watch = visibility.fences.watch();
+        let mut watch = visibility.reports.watch();
         match attempts(&mut attempt).await {
             Err(pending) => {
                 if !watch.satisfied(&pending, deadline).await {
-                    return Reply::error(&ProtocolError::new(ErrorKind::CapturePending));
+                    let mut reply = Reply::error(&ProtocolError::new(ErrorKind::CapturePending));
+                    reply.retry_after = Some(visibility.reports.retry_after());
+                    return reply;
                 }
             }
             Ok(reply) => return reply,

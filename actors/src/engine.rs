@@ -20,7 +20,7 @@ use crate::rebuild::Rebuilder;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::store::Store;
-use crate::visibility::{SatisfiedFences, Visibility};
+use crate::visibility::{CaptureReports, Visibility};
 
 enum RegistryMsg {
     Connect {
@@ -122,7 +122,7 @@ impl Engine {
             ledger.push(&m.user_id, &m.body, m.now_micros).await
         });
         let visibility = Visibility {
-            fences: SatisfiedFences::default(),
+            reports: CaptureReports::default(),
             bound: Duration::from_millis(config.server.capture_wait_ms),
         };
         let puller = Arc::new(Puller::new(
@@ -155,9 +155,10 @@ impl Engine {
             .capture_store()
             .await
             .map_err(|e| RegistryError::Config(e.to_string()))?;
-        let capture = materializer::spawn(capture_store, &config, limits, visibility.fences)
-            .await
-            .map_err(RegistryError::Config)?;
+        let capture =
+            materializer::spawn(capture_store, &config, limits, visibility.reports.clone())
+                .await
+                .map_err(RegistryError::Config)?;
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
         let permits = Arc::new(Semaphore::new(PARALLEL_CONNECTS));
         tokio::spawn(async move {

@@ -1,17 +1,22 @@
 //! Waiting for capture to make a client's own accepted writes visible
-//! (issue 28). A pull or rebuild that finds one of its client's fences
-//! pending would answer `503 capture_pending`, and the client would wait
-//! out `Retry-After`, though capture materializes a commit in milliseconds.
-//! Instead the request waits, holding no connection or transaction, until
-//! the materializer reports every one of those fences satisfied (an event
-//! per committed group, not a poll), up to a bound; then it runs again from
-//! the start in a new snapshot. Only past the bound is the answer 503.
+//! (issue 28, ADR 0022). A pull or rebuild that finds one of its client's
+//! fences pending would answer `503 capture_pending`, and the client would
+//! wait out `Retry-After`, though capture materializes a commit in
+//! milliseconds. Instead the request waits, holding no connection or
+//! transaction, until the materializer reports every one of those fences
+//! satisfied (an event per committed group, not a poll), up to a bound;
+//! then it runs again from the start in a new snapshot. Only past the
+//! bound is the answer 503.
 //!
 //! Only this process's materializer reports: a process that does not lead
 //! capture waits the whole bound and runs once more.
+//!
+//! The materializer also reports how long it expects to take to catch up
+//! (the WAL it has yet to take over the rate it takes it at), which the
+//! 503 past the bound gives as `Retry-After` instead of a fixed 5 s.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::broadcast;
@@ -25,23 +30,37 @@ const BACKLOG: usize = 1024;
 /// once these are satisfied and, if more remain, waits again.
 pub const MAX_WAITED_FENCES: usize = 64;
 
-/// Where the materializer reports the fences each committed group satisfied.
+/// `Retry-After` when capture has told nothing recent: the adapter's old
+/// fixed value.
+const UNKNOWN_RETRY_SECONDS: u32 = 5;
+
+/// A catch-up estimate older than this is no longer news.
+const ESTIMATE_FRESH: Duration = Duration::from_secs(5);
+
+/// The longest `Retry-After` a capture estimate gives.
+const MAX_RETRY_SECONDS: u32 = 60;
+
+/// What the materializer reports to waiting requests: the fences each
+/// committed group satisfied, and how long it expects to catch up.
 #[derive(Clone)]
-pub struct SatisfiedFences {
+pub struct CaptureReports {
     sender: broadcast::Sender<Arc<[u64]>>,
+    /// The latest catch-up estimate, and when it was made.
+    catch_up: Arc<Mutex<Option<(Duration, Instant)>>>,
 }
 
-impl Default for SatisfiedFences {
+impl Default for CaptureReports {
     fn default() -> Self {
-        SatisfiedFences {
+        CaptureReports {
             sender: broadcast::channel(BACKLOG).0,
+            catch_up: Arc::default(),
         }
     }
 }
 
-impl SatisfiedFences {
+impl CaptureReports {
     /// The materializer committed these fences satisfied.
-    pub fn report(&self, fences: &[u64]) {
+    pub fn satisfied(&self, fences: &[u64]) {
         if !fences.is_empty() {
             // No receiver is no one waiting: nothing to do.
             let _ = self.sender.send(fences.into());
@@ -53,6 +72,29 @@ impl SatisfiedFences {
     pub fn watch(&self) -> FenceWatch {
         FenceWatch {
             receiver: self.sender.subscribe(),
+        }
+    }
+
+    /// The materializer expects to have taken all the WAL it knows of within `eta`.
+    pub fn catching_up(&self, eta: Duration) {
+        *self.catch_up.lock().unwrap_or_else(PoisonError::into_inner) = Some((eta, Instant::now()));
+    }
+
+    /// `Retry-After` for `capture_pending`: the fresh catch-up estimate in
+    /// whole seconds, at least 1 and at most 60; 5 without one (a standby
+    /// process, or capture silent for a while).
+    pub fn retry_after(&self) -> u32 {
+        self.retry_after_at(Instant::now())
+    }
+
+    fn retry_after_at(&self, now: Instant) -> u32 {
+        let estimate = *self.catch_up.lock().unwrap_or_else(PoisonError::into_inner);
+        match estimate {
+            Some((eta, at)) if now.saturating_duration_since(at) <= ESTIMATE_FRESH => {
+                let seconds = eta.as_secs() + u64::from(eta.subsec_nanos() > 0);
+                u32::try_from(seconds).map_or(MAX_RETRY_SECONDS, |s| s.clamp(1, MAX_RETRY_SECONDS))
+            }
+            _ => UNKNOWN_RETRY_SECONDS,
         }
     }
 }
@@ -86,11 +128,47 @@ impl FenceWatch {
     }
 }
 
+/// The rate capture takes WAL at, from its committed groups, and so how
+/// long the WAL it has yet to take will need.
+#[derive(Default)]
+pub struct CatchUpMeter {
+    last: Option<(Instant, u64)>,
+    /// Bytes per second, smoothed.
+    rate: Option<f64>,
+}
+
+impl CatchUpMeter {
+    /// Weight of the newest sample.
+    const SMOOTHING: f64 = 0.3;
+
+    /// Capture's durable end moved to `end` at `now` with `lag` bytes
+    /// still to take: the expected time to take them (`None` until a rate
+    /// is known).
+    pub fn committed(&mut self, end: u64, lag: u64, now: Instant) -> Option<Duration> {
+        if let Some((at, before)) = self.last {
+            let seconds = now.duration_since(at).as_secs_f64();
+            if seconds > 0.0 && end > before {
+                let sample = (end - before) as f64 / seconds;
+                self.rate = Some(match self.rate {
+                    Some(r) => r + Self::SMOOTHING * (sample - r),
+                    None => sample,
+                });
+            }
+        }
+        self.last = Some((now, end));
+        if lag == 0 {
+            return Some(Duration::ZERO);
+        }
+        let rate = self.rate?;
+        Some(Duration::from_secs_f64((lag as f64 / rate).min(3600.0)))
+    }
+}
+
 /// How a pull or rebuild waits for its client's writes: the reports, and
 /// the bound (`[server] capture_wait_ms`; zero answers at once).
 #[derive(Clone)]
 pub struct Visibility {
-    pub fences: SatisfiedFences,
+    pub reports: CaptureReports,
     pub bound: Duration,
 }
 
@@ -100,26 +178,63 @@ mod tests {
 
     #[tokio::test]
     async fn a_watch_sees_every_fence_reported_after_it_began() {
-        let fences = SatisfiedFences::default();
-        let mut watch = fences.watch();
-        fences.report(&[1, 7]);
-        fences.report(&[]);
-        fences.report(&[9]);
+        let reports = CaptureReports::default();
+        let mut watch = reports.watch();
+        reports.satisfied(&[1, 7]);
+        reports.satisfied(&[]);
+        reports.satisfied(&[9]);
         let far = Instant::now() + Duration::from_secs(60);
         assert!(watch.satisfied(&[7, 9], far).await);
-        let mut late = fences.watch();
+        let mut late = reports.watch();
         let soon = Instant::now() + Duration::from_millis(50);
         assert!(
             !late.satisfied(&[1], soon).await,
             "reported before the watch"
         );
-        let mut watch = fences.watch();
+        let mut watch = reports.watch();
         for f in 0..BACKLOG as u64 + 1 {
-            fences.report(&[f]);
+            reports.satisfied(&[f]);
         }
         assert!(
             watch.satisfied(&[u64::MAX], far).await,
             "fell behind: run again"
+        );
+    }
+
+    #[tokio::test]
+    async fn retry_after_follows_the_catch_up_estimate() {
+        let reports = CaptureReports::default();
+        assert_eq!(
+            reports.retry_after(),
+            UNKNOWN_RETRY_SECONDS,
+            "no estimate yet"
+        );
+        reports.catching_up(Duration::ZERO);
+        assert_eq!(reports.retry_after(), 1, "at least 1");
+        reports.catching_up(Duration::from_millis(2_100));
+        assert_eq!(reports.retry_after(), 3, "rounded up");
+        reports.catching_up(Duration::from_secs(600));
+        assert_eq!(reports.retry_after(), MAX_RETRY_SECONDS);
+        let later = Instant::now() + ESTIMATE_FRESH + Duration::from_millis(1);
+        assert_eq!(
+            reports.retry_after_at(later),
+            UNKNOWN_RETRY_SECONDS,
+            "stale"
+        );
+
+        let mut meter = CatchUpMeter::default();
+        let t0 = Instant::now();
+        let second = |n: u64| t0 + Duration::from_secs(n);
+        assert_eq!(meter.committed(1_000, 5_000, t0), None, "no rate yet");
+        // 1,000 bytes a second: 5,000 left take 5 s.
+        assert_eq!(
+            meter.committed(2_000, 5_000, second(1)),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(
+            meter.committed(3_000, 0, second(2)),
+            Some(Duration::ZERO),
+            "caught up"
         );
     }
 }

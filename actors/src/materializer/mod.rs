@@ -16,7 +16,7 @@ mod model;
 mod reread;
 mod step;
 
-use crate::visibility::SatisfiedFences;
+use crate::visibility::{CaptureReports, CatchUpMeter};
 use std::time::Duration;
 
 use protocol::position::Boundary;
@@ -91,7 +91,7 @@ pub async fn spawn<S: Store>(
     store: S,
     config: &SyncConfig,
     limits: MaterializerLimits,
-    satisfied: SatisfiedFences,
+    reports: CaptureReports,
 ) -> Result<watch::Receiver<CaptureStatus>, String> {
     let manifest = {
         let mut tx = store.begin().await.map_err(|e| e.to_string())?;
@@ -108,7 +108,7 @@ pub async fn spawn<S: Store>(
         loop {
             match store.change_feed().await {
                 Ok(Some(feed)) => {
-                    if let Err(e) = lead(&store, &model, feed, limits, &status, &satisfied).await {
+                    if let Err(e) = lead(&store, &model, feed, limits, &status, &reports).await {
                         tracing::warn!(error = %e, "materializer: store failed; reopening the feed");
                         if !matches!(*status.borrow(), CaptureStatus::Blocked(_)) {
                             status.send_replace(CaptureStatus::Unavailable);
@@ -271,7 +271,7 @@ async fn lead<S: Store>(
     mut feed: S::Feed,
     limits: MaterializerLimits,
     status: &watch::Sender<CaptureStatus>,
-    satisfied: &SatisfiedFences,
+    reports: &CaptureReports,
 ) -> Result<(), StoreError> {
     let (progress, generation, records) = {
         let mut tx = store.begin().await?;
@@ -310,7 +310,7 @@ async fn lead<S: Store>(
                 boundary: after,
                 end_lsn,
             } => {
-                satisfied.report(&owed.covered_fences);
+                reports.satisfied(&owed.covered_fences);
                 boundary = after;
                 durable_end = end_lsn;
                 blocked = None; // completing the baseline clears its quarantine
@@ -337,6 +337,7 @@ async fn lead<S: Store>(
         }
     }
     let mut caught_up = Instant::now();
+    let mut meter = CatchUpMeter::default();
     let running = |boundary: Boundary, caught_up: Instant, lag_bytes: u64| CaptureStatus::Running {
         heartbeat: Instant::now(),
         boundary,
@@ -387,6 +388,7 @@ async fn lead<S: Store>(
             caught_up = Instant::now();
             if blocked.is_none() {
                 status.send_replace(running(boundary, caught_up, 0));
+                reports.catching_up(Duration::ZERO);
             }
             beat(store, true, 0).await?;
             continue;
@@ -473,7 +475,10 @@ async fn lead<S: Store>(
             durable_end = m.end_lsn;
             feed.acknowledge(durable_end).await?;
             // Requests waiting for these writes run again (`visibility`).
-            satisfied.report(&m.fences);
+            reports.satisfied(&m.fences);
+            if let Some(eta) = meter.committed(durable_end, lag, tokio::time::Instant::now()) {
+                reports.catching_up(eta);
+            }
             for record in &m.rematerialized {
                 rereading.committed(record);
             }
