@@ -61,7 +61,11 @@ where
         let mut watch = visibility.reports.watch();
         match attempts(&mut attempt).await {
             Err(pending) => {
-                if !watch.satisfied(&pending, deadline).await {
+                // Checked first: a watch that fell behind answers at once,
+                // which must not run attempts past the bound.
+                if tokio::time::Instant::now() >= deadline
+                    || !watch.satisfied(&pending, deadline).await
+                {
                     let mut reply = Reply::error(&ProtocolError::new(ErrorKind::CapturePending));
                     reply.retry_after = Some(visibility.reports.retry_after());
                     return reply;

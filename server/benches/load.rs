@@ -465,7 +465,14 @@ async fn run(
     .execute(&pool)
     .await
     .unwrap();
-    let server = Served::start(&cluster.url(&name), secret_file).await;
+    // Each device keeps a connection: the default cap (512) would turn
+    // the 1,000-device run into a test of the cap, as a deployment of that
+    // size would raise it too.
+    let cap = format!("[server]\nmax_connections = {}", 2 * clients + 64);
+    let server = Served::start_with(&cluster.url(&name), secret_file, |c| {
+        c.replacen("[server]", &cap, 1)
+    })
+    .await;
     assert!(
         server.addr.ip().is_loopback(),
         "the load tool targets loopback only"
