@@ -469,6 +469,19 @@ pub fn check_capture(
     }
 }
 
+/// An idle slot keeps little WAL (issue 25): capture's own heartbeats
+/// keep writing WAL that holds no source transaction while it idles, and
+/// capture confirms it, so at the end of an idle spell in which `written`
+/// bytes of WAL were written the slot retains less than that.
+pub fn check_idle_slot(written: u64, retained: u64) -> Result<(), String> {
+    if written > 0 && retained >= written {
+        return Err(format!(
+            "an idle slot retains {retained} bytes of WAL, all {written} written while idle among them: capture does not confirm WAL without source transactions"
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -53,6 +53,12 @@ pub struct CaptureScenario {
     pub packet_loss: f64,
     pub slot_loss: Option<SlotLoss>,
     pub existing: Option<Existing>,
+    /// A planted bug: an idle feed offers a position past WAL not yet
+    /// written, so a reopened feed skips transactions committed after.
+    pub idle_acks_ahead: bool,
+    /// Halfway, the writers pause long enough for capture to idle (and
+    /// confirm the WAL of its own heartbeats) while the server crashes on.
+    pub idle_spell: Duration,
 }
 
 impl Default for CaptureScenario {
@@ -66,6 +72,8 @@ impl Default for CaptureScenario {
             packet_loss: 0.01,
             slot_loss: None,
             existing: None,
+            idle_acks_ahead: false,
+            idle_spell: Duration::from_secs(10),
         }
     }
 }
@@ -92,6 +100,10 @@ pub struct CaptureTrace {
     pub baseline_span: Option<(actors::capture::Lsn, actors::capture::Lsn)>,
     /// The crash aimed at a baseline written but not committed happened.
     pub crashed_mid_baseline: bool,
+    /// Over 10 s of idling after capture caught up: the WAL written
+    /// meanwhile (capture's own heartbeats), and what the slot retains at
+    /// the end.
+    pub idle_wal: Option<(actors::capture::Lsn, actors::capture::Lsn)>,
 }
 
 pub(crate) const USERS: [&str; 3] = ["u0", "u1", "u2"];
@@ -233,9 +245,13 @@ async fn writer(
     notes: Arc<Mutex<Vec<String>>>,
     history: Arc<Mutex<Vec<SourceCommit>>>,
     gates: Vec<(usize, Arc<AtomicBool>)>,
+    (spell_at, spell): (usize, Duration),
 ) {
     let mut counter = 0;
     for t in 0..transactions {
+        if t == spell_at {
+            sleep(spell).await;
+        }
         // Transaction `at` of a gate waits for it (the baseline done, the slot lost).
         while gates
             .iter()
@@ -508,6 +524,9 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         .install_capture(&actors::capture::CapturePlan::new(&config))
         .await
         .map_err(|e| e.to_string())?;
+    if scenario.idle_acks_ahead {
+        store.plant_idle_acks_ahead().await;
+    }
     // The writers begin once the stream has (the baseline done), or, over
     // an existing database, race the baseline with their first halves.
     let baseline_done = Arc::new(AtomicBool::new(false));
@@ -539,6 +558,7 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
                 notes.clone(),
                 history.clone(),
                 gates.clone(),
+                (half, scenario.idle_spell),
             ))
         })
         .collect();
@@ -617,8 +637,12 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         let through = blocked_at(&store).await?;
         trace.history.retain(|c| c.commit_lsn <= through);
     } else {
-        // Let capture catch up with everything committed.
+        // Let capture catch up with everything committed, then idle.
         catch_up(&store, last).await?;
+        let start = store.wal_end().await;
+        sleep(Duration::from_secs(10)).await;
+        let written = store.wal_end().await - start;
+        trace.idle_wal = Some((written, store.retained_wal().await));
     }
     trace.materialized_commits = trace.history.len();
     trace.baseline_span = store.baseline_span().await;

@@ -155,7 +155,7 @@ enum Answer {
     Rematerializations(Result<Vec<Rematerialization>, StoreError>),
     Reread(Result<RereadChunk, StoreError>),
     /// The next transaction if one came, and the feed's source end.
-    FeedNext(Result<(Option<Box<SourceTransaction>>, Lsn), StoreError>),
+    FeedNext(Result<FeedNext, StoreError>),
 }
 
 /// One operation on a change feed held open on the database node.
@@ -345,11 +345,11 @@ async fn serve_feed(
         }
         let answer = match op {
             FeedOp::Next(wait) => match feed.next(wait.min(FEED_POLL)).await {
-                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end()))),
+                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end(), feed.idle_end()))),
                 Err(e) => FeedAnswer::Next(Err(e)),
             },
             FeedOp::BaselineChunk => match feed.baseline_chunk().await {
-                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end()))),
+                Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end(), None))),
                 Err(e) => FeedAnswer::Next(Err(e)),
             },
             FeedOp::Acknowledge(end) => FeedAnswer::Unit(feed.acknowledge(end).await),
@@ -362,7 +362,7 @@ async fn serve_feed(
 
 /// A feed answer kept for retransmission.
 enum FeedAnswer {
-    Next(Result<(Option<SourceTransaction>, Lsn), StoreError>),
+    Next(Result<(Option<SourceTransaction>, Lsn, Option<Lsn>), StoreError>),
     Unit(Result<(), StoreError>),
     Reread(Result<RereadChunk, StoreError>),
 }
@@ -371,7 +371,7 @@ impl FeedAnswer {
     fn to_answer(&self) -> Answer {
         match self {
             FeedAnswer::Next(r) => {
-                Answer::FeedNext(r.clone().map(|(t, end)| (t.map(Box::new), end)))
+                Answer::FeedNext(r.clone().map(|(t, end, idle)| (t.map(Box::new), end, idle)))
             }
             FeedAnswer::Unit(r) => Answer::Unit(r.clone()),
             FeedAnswer::Reread(r) => Answer::Reread(r.clone()),
@@ -691,6 +691,7 @@ impl Store for RemoteStore {
                 id,
                 seq: 0,
                 source_end: 0,
+                idle_end: None,
                 baseline,
                 tripwire: self.tripwire.clone(),
             })),
@@ -804,12 +805,17 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
     }
 }
 
+/// What one `next` on the database node answered: the transaction, the
+/// feed's source end, and its idle end.
+type FeedNext = (Option<Box<SourceTransaction>>, Lsn, Option<Lsn>);
+
 /// A change feed held open on the database node.
 pub struct RemoteFeed {
     ep: Endpoint,
     id: u64,
     seq: u64,
     source_end: Lsn,
+    idle_end: Option<Lsn>,
     baseline: Option<Baseline>,
     tripwire: Option<Arc<Tripwire>>,
 }
@@ -854,6 +860,7 @@ impl ChangeFeed for RemoteFeed {
 
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
         let deadline = Instant::now() + wait;
+        self.idle_end = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let next = match self.call(FeedOp::Next(left)).await? {
@@ -861,6 +868,7 @@ impl ChangeFeed for RemoteFeed {
                 _ => return Err(mismatch()),
             };
             self.source_end = self.source_end.max(next.1);
+            self.idle_end = next.2;
             match next.0 {
                 Some(t) => return Ok(Some(*t)),
                 None if Instant::now() >= deadline => return Ok(None),
@@ -878,6 +886,15 @@ impl ChangeFeed for RemoteFeed {
 
     fn source_end(&self) -> Lsn {
         self.source_end
+    }
+
+    fn idle_end(&self) -> Option<Lsn> {
+        self.idle_end
+    }
+
+    async fn acknowledge_idle(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        // The database node's feed is a MemFeed, which judges no slot.
+        self.acknowledge(end_lsn).await
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {

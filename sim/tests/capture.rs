@@ -17,7 +17,13 @@ fn reproduce(test: &str) -> String {
 /// The capture invariants over what was materialized.
 fn judged(trace: &sim::capture::CaptureTrace) -> Result<(), Vec<String>> {
     invariants::capture::check_capture(&trace.history, &trace.effects, &trace.projections)
-        .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))
+        .and_then(|()| invariants::capture::check_members(&trace.effects, &trace.members))?;
+    match trace.idle_wal {
+        Some((written, retained)) => {
+            invariants::capture::check_idle_slot(written, retained).map_err(|v| vec![v])
+        }
+        None => Ok(()),
+    }
 }
 
 /// Runs `scenario`; a run that could not finish fails the test.
@@ -144,5 +150,26 @@ async fn a_baseline_without_dependency_rows_is_caught() {
     assert!(
         judged(&trace).is_err(),
         "the missing dependency rows went unnoticed\n{reproduce}"
+    );
+}
+
+/// A planted bug: an idle feed acknowledges WAL not yet written, so the
+/// slot forgets transactions committed into it before capture read them:
+/// capture never reaches them (the run cannot catch up), or what it
+/// materialized breaks the capture invariants.
+#[madsim::test]
+async fn an_idle_acknowledgement_past_the_wal_is_caught() {
+    let reproduce = reproduce("an_idle_acknowledgement_past_the_wal_is_caught");
+    let scenario = CaptureScenario {
+        idle_acks_ahead: true,
+        ..CaptureScenario::default()
+    };
+    let caught = match run_capture(scenario).await {
+        Err(e) => e.contains("did not catch up"),
+        Ok(trace) => judged(&trace).is_err(),
+    };
+    assert!(
+        caught,
+        "transactions skipped after an idle acknowledgement went unnoticed\n{reproduce}"
     );
 }

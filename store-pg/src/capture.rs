@@ -265,7 +265,7 @@ async fn create_candidate_slot(
     sqlx::query(
         "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn, baseline_done) \
          VALUES ($1, 0, false) ON CONFLICT (singleton) DO UPDATE \
-         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0 \
+         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0, idle_confirmed_lsn = 0 \
          WHERE NOT synchro.capture_slot.baseline_done",
     )
     .bind(slot)
@@ -421,12 +421,13 @@ pub(crate) async fn check(
 
 /// Whether the recorded slot is gone: missing, invalidated (its WAL
 /// removed), or another slot under its name, whose confirmed position
-/// passed both where the recorded one began and everything materialized
-/// (capture confirms only what it committed).
+/// passed where the recorded one began, everything materialized, and
+/// what capture recorded before confirming while idle (capture confirms
+/// nothing else).
 async fn slot_lost(store: &PgStore) -> Result<bool, StoreError> {
     let row: Option<(Option<i64>, Option<String>, i64, i64)> = sqlx::query_as(
         "SELECT (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, s.wal_status, \
-         r.consistent_lsn, p.end_lsn \
+         r.consistent_lsn, greatest(p.end_lsn, r.idle_confirmed_lsn) \
          FROM synchro.capture_slot r CROSS JOIN synchro.capture_progress p \
          LEFT JOIN pg_replication_slots s ON s.slot_name = r.slot_name \
          AND s.plugin = 'pgoutput' AND s.database = current_database() \
@@ -468,6 +469,12 @@ pub struct PgFeed {
     open: Option<SourceTransaction>,
     /// The server's WAL end as its last message reported it.
     server_wal_end: Lsn,
+    /// Set when `next` found nothing and no transaction was open: the
+    /// server's WAL end then (a keepalive's is the walsender's decoded
+    /// position, so every transaction committed before it was sent).
+    idle_end: Option<Lsn>,
+    /// The highest position acknowledged: the slot never moves back.
+    acknowledged: Lsn,
     plan_relations: BTreeSet<String>,
     registered: BTreeMap<String, String>,
     /// Each registered relation's synced columns.
@@ -559,6 +566,8 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         relations: BTreeMap::new(),
         open: None,
         server_wal_end: 0,
+        idle_end: None,
+        acknowledged: 0,
         plan_relations: plan.relations().map(str::to_owned).collect(),
         registered: plan
             .tables
@@ -766,10 +775,16 @@ impl ChangeFeed for PgFeed {
             self.started = true;
         }
         let deadline = tokio::time::Instant::now() + wait;
+        self.idle_end = None;
         loop {
             // `recv` is cancel-safe: an event is either returned or left queued.
             let event = match tokio::time::timeout_at(deadline, self.client.recv()).await {
-                Err(_) => return Ok(None),
+                Err(_) => {
+                    // PostgreSQL's own subscriber confirms a keepalive's
+                    // position the same way when nothing is pending.
+                    self.idle_end = self.open.is_none().then_some(self.server_wal_end);
+                    return Ok(None);
+                }
                 Ok(event) => event
                     .map_err(|e| {
                         StoreError::Unavailable(format!("replication stream failed: {e}"))
@@ -844,8 +859,28 @@ impl ChangeFeed for PgFeed {
         self.server_wal_end
     }
 
+    fn idle_end(&self) -> Option<Lsn> {
+        self.idle_end
+    }
+
+    async fn acknowledge_idle(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        // Recorded before the slot hears it: the lost-slot check must know
+        // the confirmed position is capture's own.
+        sqlx::query(
+            "UPDATE synchro.capture_slot \
+             SET idle_confirmed_lsn = greatest(idle_confirmed_lsn, $1)",
+        )
+        .bind(to_i64(end_lsn)?)
+        .execute(&mut self.leader)
+        .await
+        .map_err(db_error)?;
+        self.acknowledge(end_lsn).await
+    }
+
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
-        self.client.update_applied_lsn(end_lsn.into());
+        // Durable progress may stand behind an idle acknowledgement.
+        self.acknowledged = self.acknowledged.max(end_lsn);
+        self.client.update_applied_lsn(self.acknowledged.into());
         Ok(())
     }
 }

@@ -382,7 +382,7 @@ impl PgTx {
             "UPDATE synchro.rebuild_sessions SET swept = true WHERE NOT swept",
             "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
              quarantine_lsn = NULL, quarantine_class = NULL",
-            "UPDATE synchro.capture_slot SET baseline_done = false",
+            "UPDATE synchro.capture_slot SET baseline_done = false, idle_confirmed_lsn = 0",
         ] {
             sqlx::query(sql)
                 .execute(&mut *self.tx)

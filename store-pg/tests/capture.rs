@@ -588,3 +588,56 @@ async fn a_dropped_synced_column_blocks_capture_until_the_config_follows() {
     )
     .await;
 }
+
+/// Issue 25: an idle slot keeps little WAL. After a burst of source
+/// writes, capture idles; its own heartbeats keep writing WAL that holds no
+/// source transaction. Capture confirms that WAL, so the slot's confirmed
+/// position passes the burst and, after a checkpoint, its restart position
+/// (what PostgreSQL keeps WAL for) follows, with no source commit after.
+#[tokio::test]
+async fn an_idle_slot_lets_go_of_the_wal_after_a_burst() {
+    let cluster = PgCluster::temp().unwrap();
+    let (store, _engine) = running_engine(&cluster, "idle_slot").await;
+    let pool = store.pool();
+    for i in 0..50 {
+        sqlx::query("INSERT INTO public.notes (owner_id, title) VALUES ('idle', $1)")
+            .bind(format!("n{i}"))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    let lsn = |sql: &'static str| async move {
+        sqlx::query_scalar::<_, Option<i64>>(sql)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+            .unwrap_or(0)
+    };
+    let burst_end = lsn("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint").await;
+    let slot = |column: &'static str| {
+        let sql = match column {
+            "confirmed" => {
+                "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
+                 WHERE database = current_database() AND slot_type = 'logical'"
+            }
+            _ => {
+                "SELECT (restart_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
+                 WHERE database = current_database() AND slot_type = 'logical'"
+            }
+        };
+        lsn(sql)
+    };
+    let start = std::time::Instant::now();
+    while slot("restart").await <= burst_end {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "an idle slot still holds the burst's WAL: confirmed {} restart {} burst end {burst_end}",
+            slot("confirmed").await,
+            slot("restart").await
+        );
+        // A checkpoint logs the running transactions the slot needs to move.
+        sqlx::query("CHECKPOINT").execute(pool).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    assert!(slot("confirmed").await > burst_end);
+}

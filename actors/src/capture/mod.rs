@@ -365,8 +365,23 @@ pub trait ChangeFeed: Send {
     /// The newest source WAL position the feed knows of (for lag in bytes).
     fn source_end(&self) -> Lsn;
 
+    /// After [`ChangeFeed::next`] found nothing, with no transaction partly
+    /// received: a WAL position through which every source transaction was
+    /// delivered. The WAL after the last one (capture's own writes among
+    /// it) then holds none, and acknowledging this lets the store forget it
+    /// while idle (issue 25). `None` otherwise.
+    fn idle_end(&self) -> Option<Lsn>;
+
     /// Everything through `end_lsn` is durable: the store may forget it.
     fn acknowledge(&mut self, end_lsn: Lsn) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Acknowledges an [`ChangeFeed::idle_end`]: past everything
+    /// materialized, so recorded first where the store judges whether its
+    /// slot's confirmed position is capture's own.
+    fn acknowledge_idle(
+        &mut self,
+        end_lsn: Lsn,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// A registered table as capture sees it.

@@ -389,6 +389,14 @@ async fn lead<S: Store>(
             if blocked.is_none() {
                 status.send_replace(running(boundary, caught_up, 0));
                 reports.catching_up(Duration::ZERO);
+                // The WAL since the last source transaction (capture's own
+                // heartbeats and groups among it) holds none: the slot may
+                // let it go, or an idle database keeps it all (issue 25).
+                if let Some(end) = feed.idle_end()
+                    && end > durable_end
+                {
+                    feed.acknowledge_idle(end).await?;
+                }
             }
             beat(store, true, 0).await?;
             continue;

@@ -67,7 +67,10 @@ pub(super) struct CaptureState {
     rng: ChaCha8Rng,
     /// Committed source transactions not yet acknowledged: the WAL.
     log: Vec<SourceTransaction>,
+    /// Where the next WAL is written: source commits and capture's own writes.
     next_lsn: Lsn,
+    /// The commit LSN of the newest source transaction (0 before any).
+    last_commit: Lsn,
     slot_ack: Lsn,
     /// The slot was dropped or invalidated: no feed opens, and the WAL it
     /// held is gone.
@@ -114,6 +117,9 @@ pub(super) struct CaptureState {
     /// A planted bug: no client's fence is ever seen pending, so pull and
     /// rebuild serve state older than the client's accepted push.
     pub(super) fences_unseen: bool,
+    /// A planted bug: an idle feed offers a position past WAL not yet
+    /// written, so the slot forgets transactions still to come.
+    pub(super) idle_acks_ahead: bool,
 }
 
 impl CaptureState {
@@ -133,6 +139,7 @@ impl CaptureState {
             rng: ChaCha8Rng::seed_from_u64(seed),
             log: Vec::new(),
             next_lsn: LSN_STEP,
+            last_commit: 0,
             slot_ack: 0,
             slot_lost: false,
             baseline_span: None,
@@ -163,6 +170,7 @@ impl CaptureState {
             rematerializations: BTreeMap::new(),
             reread_skips: None,
             fences_unseen: false,
+            idle_acks_ahead: false,
         }
     }
 
@@ -329,7 +337,7 @@ impl CaptureState {
 
     /// The commit LSN of the newest committed source transaction (0 before any).
     pub fn last_commit_lsn(&self) -> Lsn {
-        self.next_lsn - LSN_STEP
+        self.last_commit
     }
 
     /// Moves the open transaction's WAL into the log; the new log length.
@@ -337,11 +345,27 @@ impl CaptureState {
         let mut t = self.pending.take()?;
         t.commit_lsn = self.next_lsn;
         t.end_lsn = self.next_lsn + 1;
+        self.last_commit = t.commit_lsn;
         self.next_lsn += LSN_STEP;
         if !self.slot_lost {
             self.log.push(t); // no slot retains the WAL of a lost one
         }
         Some(self.log.len())
+    }
+
+    /// The WAL the slot still retains: written but not acknowledged.
+    pub(super) fn retained_wal(&self) -> Lsn {
+        self.next_lsn.saturating_sub(self.slot_ack)
+    }
+
+    /// Where the WAL ends: every position written so far is before it.
+    pub(super) fn wal_end(&self) -> Lsn {
+        self.next_lsn
+    }
+
+    /// WAL written by something other than a source transaction.
+    pub(super) fn write_wal(&mut self) {
+        self.next_lsn += LSN_STEP;
     }
 
     fn pending(&mut self) -> &mut SourceTransaction {
@@ -887,6 +911,9 @@ pub struct MemFeed {
     leader: Arc<AtomicBool>,
     /// The end of the newest committed source transaction seen.
     source_end: Lsn,
+    /// Set when `next` found nothing: the WAL written then, every source
+    /// transaction of it delivered.
+    idle_end: Option<Lsn>,
 }
 
 impl MemFeed {
@@ -915,6 +942,7 @@ impl MemFeed {
             log_len,
             leader,
             source_end: delivered_end,
+            idle_end: None,
         })
     }
 }
@@ -936,6 +964,7 @@ impl ChangeFeed for MemFeed {
 
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
         let deadline = tokio::time::Instant::now() + wait;
+        self.idle_end = None;
         loop {
             {
                 let mut state = self.store.state.lock().await;
@@ -963,7 +992,20 @@ impl ChangeFeed for MemFeed {
             }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             match tokio::time::timeout(left, self.log_len.changed()).await {
-                Err(_) => return Ok(None),
+                Err(_) => {
+                    let state = self.store.state.lock().await;
+                    let c = &state.capture;
+                    if c.log.iter().all(|t| t.end_lsn <= self.delivered_end) {
+                        // Every later source transaction commits at or past
+                        // `next_lsn` and ends after it.
+                        let end = match c.idle_acks_ahead {
+                            true => c.next_lsn + (1 << 20) * LSN_STEP,
+                            false => c.next_lsn,
+                        };
+                        self.idle_end = Some(end.max(self.delivered_end));
+                    }
+                    return Ok(None);
+                }
                 Ok(Err(_)) => return Err(StoreError::Unavailable("the store is gone".into())),
                 Ok(Ok(())) => {}
             }
@@ -1025,6 +1067,15 @@ impl ChangeFeed for MemFeed {
 
     fn source_end(&self) -> Lsn {
         self.source_end
+    }
+
+    fn idle_end(&self) -> Option<Lsn> {
+        self.idle_end
+    }
+
+    async fn acknowledge_idle(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {
+        // MemStore judges no slot's confirmed position.
+        self.acknowledge(end_lsn).await
     }
 
     async fn acknowledge(&mut self, end_lsn: Lsn) -> Result<(), StoreError> {

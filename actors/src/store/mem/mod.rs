@@ -258,6 +258,22 @@ impl MemStore {
         state.rebuilds.live(&state.clients, now_micros)
     }
 
+    /// Where the WAL ends: every position written so far is before it.
+    pub async fn wal_end(&self) -> crate::capture::Lsn {
+        self.state.lock().await.capture.wal_end()
+    }
+
+    /// The WAL the slot still retains: written but not acknowledged.
+    pub async fn retained_wal(&self) -> crate::capture::Lsn {
+        self.state.lock().await.capture.retained_wal()
+    }
+
+    /// Plants a bug: an idle feed offers a position past WAL not yet
+    /// written, so the slot forgets transactions still to come.
+    pub async fn plant_idle_acks_ahead(&self) {
+        self.state.lock().await.capture.idle_acks_ahead = true;
+    }
+
     /// Plants a bug: no client's fence is ever seen pending, so a pull or
     /// rebuild right after a push may serve state older than the push.
     pub async fn plant_unseen_fences(&self) {
@@ -498,6 +514,8 @@ impl StoreTx for MemTx {
             c.heartbeat.and_then(|(_, caught_up, _)| caught_up)
         };
         c.heartbeat = Some((now, caught_up, beat.lag_bytes));
+        // Capture's own writes are WAL too, with no source transaction in it.
+        c.write_wal();
         Ok(())
     }
 
