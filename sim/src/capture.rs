@@ -53,9 +53,9 @@ pub struct CaptureScenario {
     pub packet_loss: f64,
     pub slot_loss: Option<SlotLoss>,
     pub existing: Option<Existing>,
-    /// A planted bug: an idle feed offers a position past WAL not yet
-    /// written, so a reopened feed skips transactions committed after.
-    pub idle_acks_ahead: bool,
+    /// A planted bug: an idle feed never offers its idle end, so the slot
+    /// keeps the WAL of capture's own writes.
+    pub idle_end_withheld: bool,
     /// Halfway, the writers pause long enough for capture to idle (and
     /// confirm the WAL of its own heartbeats) while the server crashes on.
     pub idle_spell: Duration,
@@ -72,7 +72,7 @@ impl Default for CaptureScenario {
             packet_loss: 0.01,
             slot_loss: None,
             existing: None,
-            idle_acks_ahead: false,
+            idle_end_withheld: false,
             idle_spell: Duration::from_secs(10),
         }
     }
@@ -524,8 +524,8 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
         .install_capture(&actors::capture::CapturePlan::new(&config))
         .await
         .map_err(|e| e.to_string())?;
-    if scenario.idle_acks_ahead {
-        store.plant_idle_acks_ahead().await;
+    if scenario.idle_end_withheld {
+        store.plant_idle_end_withheld().await;
     }
     // The writers begin once the stream has (the baseline done), or, over
     // an existing database, race the baseline with their first halves.

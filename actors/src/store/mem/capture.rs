@@ -117,9 +117,9 @@ pub(super) struct CaptureState {
     /// A planted bug: no client's fence is ever seen pending, so pull and
     /// rebuild serve state older than the client's accepted push.
     pub(super) fences_unseen: bool,
-    /// A planted bug: an idle feed offers a position past WAL not yet
-    /// written, so the slot forgets transactions still to come.
-    pub(super) idle_acks_ahead: bool,
+    /// A planted bug: an idle feed never offers its idle end, so the
+    /// slot keeps the WAL of capture's own writes for ever.
+    pub(super) idle_end_withheld: bool,
 }
 
 impl CaptureState {
@@ -170,7 +170,7 @@ impl CaptureState {
             rematerializations: BTreeMap::new(),
             reread_skips: None,
             fences_unseen: false,
-            idle_acks_ahead: false,
+            idle_end_withheld: false,
         }
     }
 
@@ -995,14 +995,11 @@ impl ChangeFeed for MemFeed {
                 Err(_) => {
                     let state = self.store.state.lock().await;
                     let c = &state.capture;
-                    if c.log.iter().all(|t| t.end_lsn <= self.delivered_end) {
+                    if !c.idle_end_withheld && c.log.iter().all(|t| t.end_lsn <= self.delivered_end)
+                    {
                         // Every later source transaction commits at or past
                         // `next_lsn` and ends after it.
-                        let end = match c.idle_acks_ahead {
-                            true => c.next_lsn + (1 << 20) * LSN_STEP,
-                            false => c.next_lsn,
-                        };
-                        self.idle_end = Some(end.max(self.delivered_end));
+                        self.idle_end = Some(c.next_lsn.max(self.delivered_end));
                     }
                     return Ok(None);
                 }

@@ -268,10 +268,10 @@ impl MemStore {
         self.state.lock().await.capture.retained_wal()
     }
 
-    /// Plants a bug: an idle feed offers a position past WAL not yet
-    /// written, so the slot forgets transactions still to come.
-    pub async fn plant_idle_acks_ahead(&self) {
-        self.state.lock().await.capture.idle_acks_ahead = true;
+    /// Plants a bug: an idle feed never offers its idle end, so the slot
+    /// keeps the WAL of capture's own writes for ever.
+    pub async fn plant_idle_end_withheld(&self) {
+        self.state.lock().await.capture.idle_end_withheld = true;
     }
 
     /// Plants a bug: no client's fence is ever seen pending, so a pull or
