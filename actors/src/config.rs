@@ -11,7 +11,9 @@ use protocol::value::{DecimalBounds, FieldType, PortableType};
 use serde::Deserialize;
 
 pub mod auth;
+pub mod retention;
 pub use auth::AuthConfig;
+pub use retention::RetentionConfig;
 
 /// The whole config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -29,6 +31,8 @@ pub struct SyncConfig {
     pub capture: CaptureConfig,
     #[serde(default)]
     pub limits: LimitsConfig,
+    #[serde(default)]
+    pub retention: RetentionConfig,
 }
 
 /// What one user, and the whole instance, may make the server spend
@@ -583,6 +587,7 @@ impl SyncConfig {
 
     /// The rules that need no database.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.retention.check().map_err(ConfigError)?;
         if !(1..=1024).contains(&self.server.pull_pages) {
             return err("server.pull_pages must be within 1..=1024");
         }

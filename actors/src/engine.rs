@@ -19,6 +19,7 @@ use crate::pull::Puller;
 use crate::rebuild::Rebuilder;
 use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
+use crate::retention;
 use crate::store::Store;
 use crate::visibility::{CaptureReports, Visibility};
 
@@ -65,6 +66,8 @@ pub struct Engine {
     /// The flood gate every request passes first.
     admission: Arc<Admission>,
     capture: watch::Receiver<CaptureStatus>,
+    /// The retention task runs while the engine lives.
+    _retention: retention::Running,
     /// Latched by the first `500 sync_integrity_failure`: durable state broke
     /// an invariant, so this process stays unready until it restarts.
     integrity_failed: Arc<AtomicBool>,
@@ -155,10 +158,15 @@ impl Engine {
             .capture_store()
             .await
             .map_err(|e| RegistryError::Config(e.to_string()))?;
-        let capture =
-            materializer::spawn(capture_store, &config, limits, visibility.reports.clone())
-                .await
-                .map_err(RegistryError::Config)?;
+        let capture = materializer::spawn(
+            capture_store.clone(),
+            &config,
+            limits,
+            visibility.reports.clone(),
+        )
+        .await
+        .map_err(RegistryError::Config)?;
+        let retention = retention::spawn(capture_store, config.retention.clone(), capture.clone());
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
         let permits = Arc::new(Semaphore::new(PARALLEL_CONNECTS));
         tokio::spawn(async move {
@@ -204,6 +212,7 @@ impl Engine {
             pull_pages,
             admission,
             capture,
+            _retention: retention,
             integrity_failed: Arc::new(AtomicBool::new(false)),
             unreachable_since: Arc::default(),
             readiness: ReadinessLimits {

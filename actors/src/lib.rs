@@ -16,6 +16,7 @@ pub mod pull;
 pub mod rebuild;
 pub mod registry;
 pub mod reply;
+pub mod retention;
 pub mod staging;
 pub mod store;
 pub mod stream;

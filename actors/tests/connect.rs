@@ -43,7 +43,9 @@ impl Harness for Mem {
     }
 
     async fn retire(&mut self, client_id: &str) {
-        self.store.retire_client(client_id).await;
+        let mut tx = self.store.begin().await.unwrap();
+        assert!(tx.retire_client(client_id).await.unwrap());
+        tx.commit().await.unwrap();
     }
 }
 

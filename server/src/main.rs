@@ -51,6 +51,20 @@ enum Command {
         #[command(subcommand)]
         action: StreamAction,
     },
+    /// Moves the retention floor and compacts below it now, as the server
+    /// does every `[retention] compact_interval_seconds` (ADR 0024).
+    Compact {
+        /// The sync config (TOML): its `[retention]` window.
+        #[arg(long, default_value = "synchro.toml")]
+        config: PathBuf,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Operator actions on one client.
+    Client {
+        #[command(subcommand)]
+        action: ClientAction,
+    },
     /// Prints a bearer token for USER that a local server (auth mode hs256) accepts.
     Token {
         #[arg(long)]
@@ -93,6 +107,27 @@ enum StreamAction {
     },
 }
 
+#[derive(Subcommand)]
+enum ClientAction {
+    /// Retires a client irreversibly: every request of it then answers
+    /// `409 client_retired`, and its checkpoints, rebuild sessions and push
+    /// outcomes are released (ADR 0024). Needs --confirm.
+    Retire {
+        #[arg(long)]
+        client_id: String,
+        /// Confirms the retirement: the client ID can never sync again.
+        #[arg(long)]
+        confirm: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+}
+
+/// How long `synchro compact` waits between reading the boundary and
+/// moving the floor to at most it: a cursor or rebuild being issued
+/// meanwhile is not made stale at once.
+const COMPACT_GUARD_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 fn load_config(path: &Path) -> Result<SyncConfig, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     SyncConfig::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
@@ -102,13 +137,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Token { user, config } => token(&user, &config),
-        Command::Stream { action } => match tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt.block_on(stream(action)),
-            Err(e) => Err(format!("cannot start the runtime: {e}")),
-        },
+        Command::Stream { action } => run(stream(action)),
+        Command::Compact { config, database } => run(compact(&config, database)),
+        Command::Client { action } => run(client(action)),
         Command::Serve {
             config,
             listen,
@@ -261,11 +292,7 @@ async fn stream(action: StreamAction) -> Result<(), String> {
                 .into(),
         );
     }
-    let (_cluster, options, password) =
-        open_database(database.database_url, &database.data_dir).await?;
-    let store = PgStore::connect_with_password(options, password.as_deref())
-        .await
-        .map_err(|e| format!("database: {e}"))?;
+    let (_cluster, store) = operator_store(database).await?;
     if reset {
         let generation = store.reset_stream().await.map_err(|e| e.to_string())?;
         println!(
@@ -305,6 +332,7 @@ async fn stream(action: StreamAction) -> Result<(), String> {
                 format!("{:X}/{:X}", commit_lsn >> 32, commit_lsn & 0xffff_ffff),
         }
     );
+    println!("retention floor: {}", position_text(r.floor));
     match &r.quarantine {
         Some(class) => println!("capture: blocked ({class})"),
         None => println!("capture: not blocked"),
@@ -316,6 +344,112 @@ async fn stream(action: StreamAction) -> Result<(), String> {
         println!("rematerializing: {relation}, {rows} rows re-read so far");
     }
     Ok(())
+}
+
+/// Runs an operator command on a runtime of its own.
+fn run(command: impl std::future::Future<Output = Result<(), String>>) -> Result<(), String> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(command),
+        Err(e) => Err(format!("cannot start the runtime: {e}")),
+    }
+}
+
+/// The stream's database, as `serve` finds it, for an operator command.
+async fn operator_store(database: DatabaseArgs) -> Result<(Option<PgCluster>, PgStore), String> {
+    let (cluster, options, password) =
+        open_database(database.database_url, &database.data_dir).await?;
+    let store = PgStore::connect_with_password(options, password.as_deref())
+        .await
+        .map_err(|e| format!("database: {e}"))?;
+    Ok((cluster, store))
+}
+
+async fn compact(config_path: &Path, database: DatabaseArgs) -> Result<(), String> {
+    use actors::store::{Store, StoreTx};
+    let config = load_config(config_path)?;
+    let (_cluster, store) = operator_store(database).await?;
+    let seen = {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let generation = tx
+            .stream_state()
+            .await
+            .map_err(|e| e.to_string())?
+            .generation;
+        let boundary = tx
+            .capture_progress()
+            .await
+            .map_err(|e| e.to_string())?
+            .boundary;
+        actors::retention::Guard {
+            generation,
+            boundary,
+        }
+    };
+    tokio::time::sleep(COMPACT_GUARD_WAIT).await;
+    let report = |deleted: u64| {
+        if deleted > 0 {
+            println!("compacting: {deleted} effects deleted");
+        }
+    };
+    let c = actors::retention::compact(&store, &config.retention, Some(seen), report)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "retention floor: {} ({}); {} effects deleted",
+        position_text(c.floor),
+        if c.moved { "moved" } else { "unchanged" },
+        c.deleted
+    );
+    Ok(())
+}
+
+async fn client(action: ClientAction) -> Result<(), String> {
+    use actors::store::{Store, StoreTx};
+    let ClientAction::Retire {
+        client_id,
+        confirm,
+        database,
+    } = action;
+    if !confirm {
+        return Err(
+            "retiring a client is irreversible: it can never sync again; run it again \
+             with --confirm"
+                .into(),
+        );
+    }
+    let (_cluster, store) = operator_store(database).await?;
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    let found = tx
+        .retire_client(&client_id)
+        .await
+        .map_err(|e| e.to_string())?;
+    tx.commit().await.map_err(|e| e.to_string())?;
+    if !found {
+        return Err("no such client".into());
+    }
+    println!("synchro: the client is retired");
+    Ok(())
+}
+
+/// A stream position as an operator reads it.
+fn position_text(p: protocol::position::StreamPosition) -> String {
+    use protocol::position::StreamPosition;
+    let lsn = |l: u64| format!("{:X}/{:X}", l >> 32, l & 0xffff_ffff);
+    match p {
+        StreamPosition::GenerationStart => "generation start".into(),
+        StreamPosition::TransactionEnd { commit_lsn } => format!("end of {}", lsn(commit_lsn)),
+        StreamPosition::Effect {
+            commit_lsn,
+            event_ordinal,
+            effect_ordinal,
+        } => format!(
+            "{} event {event_ordinal} effect {effect_ordinal}",
+            lsn(commit_lsn)
+        ),
+    }
 }
 
 async fn serve(

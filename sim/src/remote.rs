@@ -92,6 +92,10 @@ enum Op {
     Checkpoints(String),
     PutCheckpoints(String, Vec<(ScopeId, Checkpoint)>),
     PendingFences(String, usize),
+    RetentionHold(u64, std::time::Duration),
+    AdvanceFloor(StreamPosition),
+    CompactBelowFloor(usize),
+    RetireClient(String),
     ReconcileFences,
     ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
     LastEffectBefore(ScopeId, StreamPosition),
@@ -489,6 +493,13 @@ async fn transaction(
             Op::Checkpoints(c) => (Answer::Checkpoints(tx.checkpoints(&c).await), false),
             Op::PutCheckpoints(c, p) => (Answer::Unit(tx.put_checkpoints(&c, &p).await), false),
             Op::PendingFences(c, max) => (Answer::Fences(tx.pending_fences(&c, max).await), false),
+            Op::RetentionHold(g, w) => (Answer::Position(tx.retention_hold(g, w).await), false),
+            Op::AdvanceFloor(f) => (Answer::Unit(tx.advance_floor(f).await), false),
+            Op::CompactBelowFloor(max) => (
+                Answer::Count(tx.compact_below_floor(max).await.map(|n| n as u64)),
+                false,
+            ),
+            Op::RetireClient(c) => (Answer::Inserted(tx.retire_client(&c).await), false),
             Op::ReconcileFences => (Answer::Count(tx.reconcile_fences().await), false),
             Op::ScopeCandidates(scope, after, through, max) => (
                 Answer::Effects(tx.scope_candidates(&scope, after, through, max).await),
@@ -1237,6 +1248,41 @@ impl StoreTx for RemoteTx {
             .await?
         {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn retention_hold(
+        &mut self,
+        stream_generation: u64,
+        window: std::time::Duration,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        match self
+            .call(Op::RetentionHold(stream_generation, window))
+            .await?
+        {
+            Answer::Position(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn advance_floor(&mut self, floor: StreamPosition) -> Result<(), StoreError> {
+        match self.call(Op::AdvanceFloor(floor)).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn compact_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        match self.call(Op::CompactBelowFloor(max)).await? {
+            Answer::Count(r) => r.map(|n| n as usize),
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn retire_client(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        match self.call(Op::RetireClient(client_id.to_owned())).await? {
+            Answer::Inserted(r) => r,
             _ => Err(mismatch()),
         }
     }

@@ -18,6 +18,7 @@ pub mod pgoutput;
 mod push;
 mod rebuild;
 mod reread;
+mod retention;
 mod sql;
 mod sqlstate;
 mod stream;
@@ -527,6 +528,26 @@ impl StoreTx for PgTx {
         self.read_scope_effects(scope, after, through).await
     }
 
+    async fn retention_hold(
+        &mut self,
+        stream_generation: u64,
+        window: std::time::Duration,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        self.read_retention_hold(stream_generation, window).await
+    }
+
+    async fn advance_floor(&mut self, floor: StreamPosition) -> Result<(), StoreError> {
+        self.write_floor(floor).await
+    }
+
+    async fn compact_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        self.delete_below_floor(max).await
+    }
+
+    async fn retire_client(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        self.write_retirement(client_id).await
+    }
+
     async fn rebuild_session(
         &mut self,
         client_id: &str,
@@ -869,11 +890,9 @@ impl actors::testkit::CaptureWorld for PgWorld {
     }
 
     async fn retire(&self, client_id: &str) {
-        sqlx::query("UPDATE synchro.clients SET retired = true WHERE client_id = $1")
-            .bind(client_id)
-            .execute(self.store.pool())
-            .await
-            .unwrap();
+        let mut tx = self.store.begin().await.unwrap();
+        assert!(tx.retire_client(client_id).await.unwrap());
+        tx.commit().await.unwrap();
     }
 
     async fn lose_slot(&self) {

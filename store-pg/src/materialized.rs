@@ -684,7 +684,25 @@ impl PgTx {
             .map_err(db_error)?;
         }
         if !m.effects.is_empty() {
-            let e = &m.effects;
+            // Only each row's last effect in a scope is ever served, so the
+            // ones it supersedes are deleted, stored ones by this statement
+            // (which does not see its own inserts) and earlier ones of this
+            // group by not inserting them (docs/adr/0024).
+            let mut last: HashMap<(&str, &str, &[u8]), &Effect> = HashMap::new();
+            for e in &m.effects {
+                let key = (e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes());
+                match last.get(&key) {
+                    Some(l) if l.position() == e.position() => {
+                        return Err(StoreError::Integrity("two effects at one position".into()));
+                    }
+                    Some(l) if l.position() > e.position() => {}
+                    _ => {
+                        last.insert(key, e);
+                    }
+                }
+            }
+            let mut e: Vec<&Effect> = last.into_values().collect();
+            e.sort_by_key(|e| (e.scope.as_str(), e.position()));
             let rows: Vec<Option<&CapturedRow>> = e.iter().map(|e| e.op.row()).collect();
             let positions = e
                 .iter()
@@ -696,37 +714,14 @@ impl PgTx {
                     ))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            let mut last = HashMap::new();
-            for (k, e) in e.iter().enumerate() {
-                let key = (e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes());
-                let newer = last
-                    .get(&key)
-                    .is_none_or(|&j: &usize| positions[j] < positions[k]);
-                if newer {
-                    last.insert(key, k);
-                }
-            }
-            let superseded: Vec<bool> = e
-                .iter()
-                .enumerate()
-                .map(|(k, e)| {
-                    last.get(&(e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes()))
-                        != Some(&k)
-                })
-                .collect();
-            // Each row's new effect supersedes its earlier ones in that
-            // scope: those stored (the statement's update, which does not
-            // see its own inserts), and those earlier in this batch.
             sqlx::query(
-                "WITH superseding AS (UPDATE synchro.scope_effects e SET superseded = true \
-                 FROM UNNEST($1::text[], $5::text[], $6::bytea[]) AS u(s, t, i) \
-                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i \
-                 AND NOT e.superseded) \
+                "WITH superseded AS (DELETE FROM synchro.scope_effects e \
+                 USING UNNEST($1::text[], $5::text[], $6::bytea[]) AS u(s, t, i) \
+                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i) \
                  INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
-                 table_id, identity, key_json, op, row_json, version, digest, schema_version, superseded) \
+                 table_id, identity, key_json, op, row_json, version, digest, schema_version) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
-                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[], \
-                 $13::bool[])",
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[])",
             )
             .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
             .bind(positions.iter().map(|p| p.0).collect::<Vec<_>>())
@@ -751,7 +746,6 @@ impl PgTx {
                     .map(|r| r.and_then(|c| c.schema_version).map(to_i64).transpose())
                     .collect::<Result<Vec<_>, _>>()?,
             )
-            .bind(superseded)
             .execute(&mut *tx)
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;

@@ -2,7 +2,7 @@
 //! status` reports, and `synchro stream reset`.
 
 use actors::store::{Store, StoreError, StoreTx};
-use protocol::position::Boundary;
+use protocol::position::{Boundary, StreamPosition};
 
 use crate::{PgStore, db_error};
 
@@ -20,6 +20,8 @@ pub struct StreamReport {
     /// The stream's baseline is not materialized (a new or reset stream).
     pub baseline_owed: bool,
     pub boundary: Boundary,
+    /// The retention floor (ADR 0024): a cursor below it is stale.
+    pub floor: StreamPosition,
     /// The class of the quarantine that blocks capture, if any.
     pub quarantine: Option<String>,
     /// Relations still being rematerialized (ADR 0020), with the rows re-read so far.
@@ -30,7 +32,8 @@ impl PgStore {
     /// What `synchro stream status` prints.
     pub async fn stream_report(&self) -> Result<StreamReport, StoreError> {
         let mut tx = self.begin().await?;
-        let generation = tx.stream_state().await?.generation;
+        let stream = tx.stream_state().await?;
+        let generation = stream.generation;
         let progress = tx.capture_progress().await?;
         let rematerializing = (tx.rematerializations().await?.into_iter())
             .filter(|r| r.pending)
@@ -52,6 +55,7 @@ impl PgStore {
             slot: slot.map(|(name, lsn, _)| (name, lsn.max(0) as u64)),
             baseline_owed: progress.baseline_owed,
             boundary: progress.boundary,
+            floor: stream.floor,
             quarantine: progress.quarantine.map(|q| q.problem.as_str().to_owned()),
             rematerializing,
         })

@@ -22,7 +22,7 @@ fn integrity(what: &str) -> StoreError {
 }
 
 /// The inverse of `bounds`: a position from its three stored columns.
-fn position(lsn: i64, event: i64, effect: i64) -> Result<StreamPosition, StoreError> {
+pub(crate) fn position(lsn: i64, event: i64, effect: i64) -> Result<StreamPosition, StoreError> {
     Ok(match (lsn, event, effect) {
         (-1, 0, 0) => StreamPosition::GenerationStart,
         (l, i64::MAX, i64::MAX) => StreamPosition::TransactionEnd {
@@ -209,7 +209,8 @@ impl PgTx {
              SELECT $1, * FROM UNNEST($2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::bigint[]) \
              ON CONFLICT (client_id, scope_id) DO UPDATE SET \
                stream_generation = EXCLUDED.stream_generation, commit_lsn = EXCLUDED.commit_lsn, \
-               event_ordinal = EXCLUDED.event_ordinal, effect_ordinal = EXCLUDED.effect_ordinal",
+               event_ordinal = EXCLUDED.event_ordinal, effect_ordinal = EXCLUDED.effect_ordinal, \
+               acknowledged_at = now()",
         )
         .bind(client_id)
         .bind(
@@ -255,16 +256,15 @@ impl PgTx {
     ) -> Result<Vec<Effect>, StoreError> {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
-        // A range of the index of effects no later effect of their row
-        // supersedes. Every superseding effect the snapshot holds is at or
-        // before `through` (its boundary), so none past it hides a
-        // candidate.
-        sqlx::query(
-            &format!("SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 AND NOT superseded \
+        // A range of the primary key: the table holds only each row's last
+        // effect in a scope (the materializer deletes what it supersedes,
+        // in the same transaction), and nothing past `through`.
+        sqlx::query(&format!(
+            "SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 \
              AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
              AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
-             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT $8"),
-        )
+             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT $8"
+        ))
         .bind(scope.as_str())
         .bind(a.0)
         .bind(a.1)

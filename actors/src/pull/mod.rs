@@ -226,13 +226,7 @@ impl<S: Store> Puller<S> {
             .map(|(r, l)| ScopeEffects::read(r.scope, r.after, l, limit))
             .collect();
         let page = page::build(&scopes, ctx.boundary, limit);
-        let mut positions = page.cursors.clone();
-        for (scope, cut) in &page.cut {
-            let before = tx.last_effect_before(scope, cut.next).await?;
-            if let Some(p) = cut.cursor(before) {
-                positions.insert(scope.clone(), p);
-            }
-        }
+        let positions = &page.cursors;
         let changes = page
             .changes
             .iter()

@@ -10,10 +10,13 @@
 //!    per-scope candidate streams by (position, scope, table, key): each
 //!    page takes the least remaining candidates, so no scope starves another.
 //! 3. A scope whose candidates were all taken is accounted through B. A
-//!    scope the limit cut gets a cursor at its last raw effect before its
-//!    first candidate not taken ([`Cut::cursor`]): every raw effect up to
-//!    there was delivered or is covered by a candidate still ahead, and
-//!    none is passed.
+//!    scope the limit cut gets a cursor at the last candidate the page took
+//!    (none when it took none): everything up to there was delivered or is
+//!    covered by a candidate still ahead, and no candidate is passed.
+//!
+//! The page depends only on the candidates, never on the superseded effects
+//! behind them, so removing a superseded effect changes no page: the
+//! materializer deletes them as it supersedes them (docs/adr/0024).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -59,41 +62,14 @@ impl<'a> ScopeEffects<'a> {
     }
 }
 
-/// A scope the limit cut: some candidate of it was not taken.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cut {
-    pub after: StreamPosition,
-    /// The last of its candidates the page took.
-    pub last_taken: Option<StreamPosition>,
-    /// Its first candidate the page did not take.
-    pub next: StreamPosition,
-}
-
-impl Cut {
-    /// The cut scope's new cursor, from the position of its last raw effect
-    /// before `next`: `None` when that is not past the presented cursor.
-    pub fn cursor(&self, last_raw_before_next: Option<StreamPosition>) -> Option<StreamPosition> {
-        let p = last_raw_before_next?;
-        assert!(p < self.next, "a cursor never passes a candidate");
-        if let Some(t) = self.last_taken {
-            assert!(
-                p >= t,
-                "every taken candidate is a raw effect before the next"
-            );
-        }
-        (p > self.after).then_some(p)
-    }
-}
-
 /// The decisions of one page.
 #[derive(Debug, PartialEq)]
 pub struct Page<'a> {
     /// The selected candidates in merge order: the page's changes.
     pub changes: Vec<&'a Effect>,
-    /// The new cursor (at the boundary) of each scope whose candidates were all taken.
+    /// The new cursor of each scope that progressed: at the boundary when
+    /// all its candidates were taken, else at the last one taken.
     pub cursors: BTreeMap<ScopeId, StreamPosition>,
-    /// The scopes the limit cut; their cursors come from [`Cut::cursor`].
-    pub cut: BTreeMap<ScopeId, Cut>,
     /// Some scope still has a candidate that was not taken.
     pub has_more: bool,
 }
@@ -156,40 +132,42 @@ pub fn build<'a>(scopes: &[ScopeEffects<'a>], boundary: Boundary, limit: usize) 
     }
     let has_more = !heads.is_empty();
     let mut cursors = BTreeMap::new();
-    let mut cut = BTreeMap::new();
+    let mut cut = 0;
     for (i, s) in scopes.iter().enumerate() {
-        match s.candidates.get(taken[i]) {
+        let cursor = match s.candidates.get(taken[i]) {
             // Fully accounted through the boundary.
             None => {
                 assert!(
                     s.complete,
                     "a scope is accounted only when all of it was read"
                 );
-                cursors.insert(s.scope.clone(), end);
+                Some(end)
             }
+            // Cut by the limit: through its last taken candidate, if any.
             Some(next) => {
-                let last_taken = taken[i].checked_sub(1).map(|t| s.candidates[t].position());
-                cut.insert(
-                    s.scope.clone(),
-                    Cut {
-                        after: s.after,
-                        last_taken,
-                        next: next.position(),
-                    },
+                cut += 1;
+                let last = taken[i].checked_sub(1).map(|t| s.candidates[t].position());
+                assert!(
+                    last.is_none_or(|p| p < next.position()),
+                    "a cursor never passes a candidate"
                 );
+                last
             }
+        };
+        if let Some(p) = cursor {
+            assert!(p > s.after || p == end, "progress only moves forward");
+            cursors.insert(s.scope.clone(), p);
         }
     }
     assert!(changes.len() <= limit, "a page never exceeds its limit");
     assert_eq!(
         has_more,
-        !cut.is_empty(),
+        cut > 0,
         "more remains exactly where a scope was cut"
     );
     Page {
         changes,
         cursors,
-        cut,
         has_more,
     }
 }
@@ -235,7 +213,7 @@ mod tests {
     }
 
     /// `build` as the pull actor drives it: at most `limit + 1` candidates
-    /// per scope, then each cut scope's cursor from its raw effects.
+    /// per scope.
     fn build_raw<'a>(raw: &[Raw<'a>], boundary: Boundary, limit: usize) -> RawPage<'a> {
         let lists: Vec<Vec<Effect>> = raw
             .iter()
@@ -250,19 +228,7 @@ mod tests {
             .map(|(r, l)| ScopeEffects::read(r.scope, r.after, l, limit))
             .collect();
         let page = build(&scopes, boundary, limit);
-        let mut cursors = page.cursors.clone();
-        for r in raw {
-            if let Some(c) = page.cut.get(r.scope) {
-                let before = r
-                    .effects
-                    .iter()
-                    .map(Effect::position)
-                    .rfind(|p| *p < c.next);
-                if let Some(p) = c.cursor(before) {
-                    cursors.insert(r.scope.clone(), p);
-                }
-            }
-        }
+        let cursors = page.cursors.clone();
         let changes = page
             .changes
             .iter()
@@ -326,8 +292,8 @@ mod tests {
         // Candidates by position: key 2 @10.1, key 1 @20, key 3 @30.
         assert_eq!(page.changes, [&effects[1]]);
         assert!(page.has_more);
-        // Through the raw effect before key 1's candidate: 10.1. The
-        // suppressed 10.0 is behind the cursor, covered by 20 still ahead.
+        // Through the last candidate taken: 10.1. The suppressed 10.0 is
+        // behind the cursor, covered by 20 still ahead.
         assert_eq!(page.cursors[&a], at(10, 1, 0));
         let page = build_raw(&s, b, 2);
         assert_eq!(page.changes, [&effects[1], &effects[2]]);
@@ -441,7 +407,8 @@ mod tests {
     proptest! {
         /// Random effects in three scopes, pulled to the end with a random
         /// limit while more commit between pulls: every page passes the
-        /// check, and the client ends holding each key's last effect.
+        /// check, equals the page built once superseded effects are
+        /// deleted, and the client ends holding each key's last effect.
         #[test]
         fn pulling_to_the_end_delivers_every_last_effect(
             commits in proptest::collection::vec(
@@ -517,6 +484,46 @@ mod tests {
             .collect();
         let page = build_raw(&scopes, boundary, limit);
         check(&scopes, &page, limit).map_err(TestCaseError::fail)?;
+        // What the store holds once every superseded effect is deleted:
+        // the same page, cursor for cursor.
+        let compacted: Vec<Vec<Effect>> = (0..3)
+            .map(|s| {
+                let through: Vec<Effect> = all[s]
+                    .iter()
+                    .filter(|e| e.position() <= end)
+                    .cloned()
+                    .collect();
+                retained(&through)
+                    .into_iter()
+                    .filter(|e| e.position() > cursor[s])
+                    .collect()
+            })
+            .collect();
+        let lean: Vec<Raw<'_>> = (0..3)
+            .map(|s| Raw {
+                scope: &names[s],
+                after: cursor[s],
+                effects: &compacted[s],
+            })
+            .collect();
+        let after_compaction = build_raw(&lean, boundary, limit);
+        let at = |p: &RawPage<'_>| -> Vec<(ScopeId, StreamPosition)> {
+            p.changes
+                .iter()
+                .map(|e| (e.scope.clone(), e.position()))
+                .collect()
+        };
+        prop_assert_eq!(
+            at(&after_compaction),
+            at(&page),
+            "compaction changed the changes"
+        );
+        prop_assert_eq!(
+            &after_compaction.cursors,
+            &page.cursors,
+            "compaction moved a cursor"
+        );
+        prop_assert_eq!(after_compaction.has_more, page.has_more);
         for e in &page.changes {
             held.insert(
                 (e.scope.clone(), e.identity.as_bytes().to_vec()),

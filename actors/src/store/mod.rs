@@ -329,6 +329,43 @@ pub trait StoreTx: Send {
         checkpoints: &[(ScopeId, Checkpoint)],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The least position a client may still present as a valid cursor, as
+    /// retention counts it (docs/adr/0024): the `stream_generation`
+    /// checkpoints of clients not retired acknowledged within `window` by
+    /// the store's clock, and the boundary of each rebuild session begun
+    /// within `window` whose scope its client has not acknowledged since;
+    /// only those at or above the floor (one below is stale already).
+    /// `None` when no client holds anything.
+    fn retention_hold(
+        &mut self,
+        stream_generation: u64,
+        window: std::time::Duration,
+    ) -> impl Future<Output = Result<Option<StreamPosition>, StoreError>> + Send;
+
+    /// Moves the stream's retention floor forward to `floor`; one at or
+    /// past it stays where it is.
+    fn advance_floor(
+        &mut self,
+        floor: StreamPosition,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes at most `max` effects at or below the floor that are
+    /// deletions or removals and not their scope's last effect; how many
+    /// it deleted. An upsert stays: it is its row's current state, and a
+    /// scope's last effect keys its cached checksum.
+    fn compact_below_floor(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// Retires `client_id` irreversibly, releasing what it held: its
+    /// checkpoints, rebuild sessions and push outcomes. `false`: no such
+    /// client. Retiring a retired client changes nothing.
+    fn retire_client(
+        &mut self,
+        client_id: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
     /// The writes accepted from this client that await materialization:
     /// its pending fences that no materialization recorded satisfied, in
     /// fence order, at most `max` of them (empty: none awaits).

@@ -2,6 +2,7 @@
 //! same expected per-scope effects after the real engine (materializer
 //! included) has run. MemStore and PgStore both pass it, so they agree.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use protocol::digest::row_digest;
@@ -113,7 +114,9 @@ impl CaptureWorld for MemWorld {
     }
 
     async fn retire(&self, client_id: &str) {
-        self.store.retire_client(client_id).await;
+        let mut tx = self.store.begin().await.unwrap();
+        assert!(tx.retire_client(client_id).await.unwrap());
+        tx.commit().await.unwrap();
     }
 
     async fn lose_slot(&self) {
@@ -362,16 +365,49 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     // Each step is materialized before the next is written, so that each
     // is its own group: membership changes then cross group boundaries
     // (within one group they would net out).
+    // The store keeps only each row's last effect in a scope, so the
+    // history is read step by step, each step's new effects as they land.
+    let names = [
+        "user:alice",
+        "user:bob",
+        "templates_public",
+        "team:red",
+        "user:carol",
+        "user:dave",
+    ];
+    let mut history: BTreeMap<&str, Vec<Effect>> = BTreeMap::new();
+    let mut seen = StreamPosition::GenerationStart;
     let mut last = 0;
     for step in &steps {
         last = world.write(step).await;
-        assert_eq!(settle(&store, last).await.quarantine, None);
+        let progress = settle(&store, last).await;
+        assert_eq!(progress.quarantine, None);
+        let mut tx = store.begin().await.unwrap();
+        for name in names {
+            let new = tx
+                .scope_effects(&ScopeId::parse(name).unwrap(), seen, progress.boundary)
+                .await
+                .unwrap();
+            history.entry(name).or_default().extend(new);
+        }
+        seen = progress.boundary.into();
     }
     let progress = settle(&store, last).await;
     assert_eq!(progress.quarantine, None);
+    // What is kept is each row's last effect of that history.
+    for name in names {
+        let mut last = BTreeMap::new();
+        for e in &history[name] {
+            last.insert((e.table_id.clone(), e.identity.clone()), e.clone());
+        }
+        let mut kept: Vec<Effect> = last.into_values().collect();
+        kept.sort_by_key(Effect::position);
+        assert_eq!(effects(&store, name).await, kept, "{name}");
+    }
+    let effects = |name: &str| history[name].clone();
 
     let n = |id: &str| format!("\"{id}\"");
-    let alice = effects(&store, "user:alice").await;
+    let alice = effects("user:alice");
     assert_eq!(
         summary(&manifest, &alice),
         [
@@ -392,17 +428,17 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
         field(&alice[3], "fld_notes_deleted_at"),
         Value::string("2026-07-18T14:00:01.500000Z")
     );
-    let bob = effects(&store, "user:bob").await;
+    let bob = effects("user:bob");
     assert_eq!(
         summary(&manifest, &bob),
         [format!("upsert {}", n(N2)), format!("delete {}", n(N2))]
     );
-    let public = effects(&store, "templates_public").await;
+    let public = effects("templates_public");
     assert_eq!(
         summary(&manifest, &public),
         ["upsert \"tpl-1\"", "upsert \"tpl-2\""]
     );
-    let red = effects(&store, "team:red").await;
+    let red = effects("team:red");
     assert_eq!(
         summary(&manifest, &red),
         [
@@ -443,12 +479,12 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     assert_ne!(version(&bob[1]), version(&bob[0]));
     // n3 never existed for anyone; n4 moved, and leaving carol's scope it
     // carries the version the move made, the one dave's scope gets.
-    let carol = effects(&store, "user:carol").await;
+    let carol = effects("user:carol");
     assert_eq!(
         summary(&manifest, &carol),
         [format!("upsert {}", n(N4)), format!("delete {}", n(N4))]
     );
-    let dave = effects(&store, "user:dave").await;
+    let dave = effects("user:dave");
     assert_eq!(summary(&manifest, &dave), [format!("upsert {}", n(N4))]);
     // The membership index holds exactly what a client applying each
     // scope's effects holds, in row-identity order.
@@ -987,19 +1023,9 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         )
         .await
         .unwrap();
-    assert_eq!(all.len(), 2);
-    let after_first = tx
-        .scope_effects(
-            &scope,
-            all[0].position(),
-            Boundary::TransactionEnd { commit_lsn: 300 },
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        after_first,
-        [effect(300, EffectOp::Remove(removed.clone()))]
-    );
+    // The removal supersedes the row's upsert in the scope, which is
+    // deleted with it: a store keeps only each row's last effect.
+    assert_eq!(all, [effect(300, EffectOp::Remove(removed.clone()))]);
     let mut third = at(400);
     third
         .removed_projections

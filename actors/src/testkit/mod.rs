@@ -14,6 +14,7 @@ mod evolution;
 mod pull;
 mod push;
 mod rebuild;
+mod retention;
 mod stream;
 mod transport;
 pub use capture::{
@@ -32,6 +33,7 @@ pub use push::{
     version_of,
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
+pub use retention::retention_suite;
 pub use stream::{Broken, baseline_adopts_existing_rows, slot_loss_blocks, stream_reset_recovers};
 pub use transport::{Answer, Node, Route, Serve, Transport};
 

@@ -18,9 +18,9 @@ use tokio::sync::watch;
 use super::{MemStore, MemTx};
 use crate::capture::{
     BASELINE_CHUNK_ROWS, Baseline, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
-    ChangeKind, DependencyRow, Effect, Lsn, Materialization, MaterializedTransaction, Projection,
-    Quarantine, Rematerialization, RereadChunk, RereadRequest, SourceEvent, SourceImage,
-    SourceTransaction, VersionNote, baseline_chunks, baseline_position,
+    ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization, MaterializedTransaction,
+    Projection, Quarantine, Rematerialization, RereadChunk, RereadRequest, SourceEvent,
+    SourceImage, SourceTransaction, VersionNote, baseline_chunks, baseline_position,
 };
 use crate::store::StoreError;
 
@@ -87,7 +87,11 @@ pub(super) struct CaptureState {
     pub(super) progress: CaptureProgress,
     pub(super) projections: BTreeMap<(String, RowIdentity), Projection>,
     dependencies: BTreeMap<(String, String), DependencyRow>,
+    /// Each row's last effect in a scope: a superseded one is deleted
+    /// (docs/adr/0024).
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
+    /// Where each (scope, table, row)'s effect is in `effects`.
+    latest_effect: BTreeMap<(ScopeId, String, RowIdentity), StreamPosition>,
     /// Every materialized source transaction, by commit LSN.
     materialized: BTreeMap<Lsn, MaterializedTransaction>,
     pub fences_done: BTreeSet<u64>,
@@ -157,6 +161,7 @@ impl CaptureState {
             projections: BTreeMap::new(),
             dependencies: BTreeMap::new(),
             effects: BTreeMap::new(),
+            latest_effect: BTreeMap::new(),
             materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
             pending_fences: BTreeMap::new(),
@@ -281,6 +286,7 @@ impl CaptureState {
     /// Drops every effect of a table.
     pub(super) fn forget_effects(&mut self, table_id: &str) {
         self.effects.retain(|_, e| e.table_id != table_id);
+        self.latest_effect.retain(|(_, t, _), _| t != table_id);
     }
 
     /// A registered row's version and fence; a row without one (written
@@ -307,6 +313,7 @@ impl CaptureState {
         self.projections.clear();
         self.members.clear();
         self.effects.clear();
+        self.latest_effect.clear();
         self.dependencies.clear();
         self.materialized.clear();
         self.progress = CaptureProgress {
@@ -777,6 +784,11 @@ impl MemTx {
             {
                 return Err(StoreError::Integrity("two effects at one position".into()));
             }
+            let row = (e.scope.clone(), e.table_id.clone(), e.identity.clone());
+            if let Some(p) = c.latest_effect.insert(row, e.position()) {
+                assert!(p < e.position(), "a row's effects strictly increase");
+                c.effects.remove(&(e.scope.clone(), p));
+            }
         }
         c.fences_done.extend(m.fences.iter().copied());
         for f in &m.fences {
@@ -859,6 +871,32 @@ impl MemTx {
             .take(max)
             .cloned()
             .collect()
+    }
+
+    /// Deletes at most `max` deletions and removals at or below `floor`
+    /// that are not their scope's last effect; how many.
+    pub(super) fn compact_below(&mut self, floor: StreamPosition, max: usize) -> usize {
+        let c = &mut self.work.capture;
+        let doomed: Vec<(ScopeId, StreamPosition)> = (c.effects.iter())
+            .filter(|((scope, p), e)| {
+                *p <= floor
+                    && !matches!(e.op, EffectOp::Upsert(_))
+                    && (c
+                        .effects
+                        .range((Bound::Excluded((scope.clone(), *p)), Bound::Unbounded)))
+                    .next()
+                    .is_some_and(|((s, _), _)| s == scope)
+            })
+            .map(|(k, _)| k.clone())
+            .take(max)
+            .collect();
+        for k in &doomed {
+            if let Some(e) = c.effects.remove(k) {
+                c.latest_effect
+                    .remove(&(e.scope.clone(), e.table_id.clone(), e.identity.clone()));
+            }
+        }
+        doomed.len()
     }
 
     pub(super) fn last_effect_before(

@@ -44,7 +44,8 @@ struct State {
     stream: StreamState,
     membership_rules: Vec<MembershipRules>,
     token_keys: Vec<TokenKey>,
-    checkpoints: BTreeMap<(String, ScopeId), Checkpoint>,
+    /// Each checkpoint, and when (by the store's clock) it was acknowledged.
+    checkpoints: BTreeMap<(String, ScopeId), (Checkpoint, tokio::time::Instant)>,
     rebuilds: rebuild::Rebuilds,
 }
 
@@ -313,13 +314,6 @@ impl MemStore {
     pub async fn bound_users(&self) -> Vec<String> {
         let state = self.state.lock().await;
         state.clients.values().map(|c| c.user_id.clone()).collect()
-    }
-
-    /// Retires a client identity (an operator action).
-    pub async fn retire_client(&self, client_id: &str) {
-        if let Some(c) = self.state.lock().await.clients.get_mut(client_id) {
-            c.retired = true;
-        }
     }
 }
 
@@ -679,7 +673,7 @@ impl StoreTx for MemTx {
             .checkpoints
             .iter()
             .filter(|((c, _), _)| c == client_id)
-            .map(|((_, s), p)| (s.clone(), *p))
+            .map(|((_, s), (p, _))| (s.clone(), *p))
             .collect())
     }
 
@@ -688,13 +682,63 @@ impl StoreTx for MemTx {
         client_id: &str,
         checkpoints: &[(ScopeId, Checkpoint)],
     ) -> Result<(), StoreError> {
+        let now = tokio::time::Instant::now();
         for (scope, p) in checkpoints {
             self.work
                 .checkpoints
-                .insert((client_id.to_owned(), scope.clone()), *p);
+                .insert((client_id.to_owned(), scope.clone()), (*p, now));
         }
         self.wrote_checkpoints = true;
         Ok(())
+    }
+
+    async fn retention_hold(
+        &mut self,
+        stream_generation: u64,
+        window: std::time::Duration,
+    ) -> Result<Option<StreamPosition>, StoreError> {
+        let w = &self.work;
+        let now = tokio::time::Instant::now();
+        let recent = |at: tokio::time::Instant| now.saturating_duration_since(at) < window;
+        let active = |client: &str| w.clients.get(client).is_some_and(|c| !c.retired);
+        let checkpoints = (w.checkpoints.iter())
+            .filter(|((c, _), (k, at))| {
+                active(c) && k.stream_generation == stream_generation && recent(*at)
+            })
+            .map(|(_, (k, _))| k.position);
+        let sessions = (w.rebuilds.begun(stream_generation))
+            .filter(|(s, at)| active(&s.client_id) && recent(*at))
+            .filter(|(s, at)| {
+                (w.checkpoints.get(&(s.client_id.clone(), s.scope.clone())))
+                    .is_none_or(|(k, acked)| k.stream_generation != stream_generation || acked < at)
+            })
+            .map(|(s, _)| StreamPosition::from(s.boundary));
+        let floor = w.stream.floor;
+        Ok(checkpoints.chain(sessions).filter(|p| *p >= floor).min())
+    }
+
+    async fn advance_floor(&mut self, floor: StreamPosition) -> Result<(), StoreError> {
+        let stream = &mut self.work.stream;
+        stream.floor = stream.floor.max(floor);
+        Ok(())
+    }
+
+    async fn compact_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        let floor = self.work.stream.floor;
+        Ok(MemTx::compact_below(self, floor, max))
+    }
+
+    async fn retire_client(&mut self, client_id: &str) -> Result<bool, StoreError> {
+        let w = &mut self.work;
+        let Some(c) = w.clients.get_mut(client_id) else {
+            return Ok(false);
+        };
+        c.retired = true;
+        let user = c.user_id.clone();
+        w.checkpoints.retain(|(c, _), _| c != client_id);
+        w.rebuilds.forget_client(client_id);
+        w.ledger.forget_client(&user, client_id);
+        Ok(true)
     }
 
     async fn pending_fences(

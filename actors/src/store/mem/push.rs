@@ -18,11 +18,21 @@ use crate::store::StoreError;
 /// (user, client, id): ledger identities are scoped to the authenticated client.
 pub(super) type LedgerKey = (String, String, CanonicalUuid);
 
-/// The push ledger: completed batches and mutations, kept forever.
+/// The push ledger: completed batches and mutations, kept until the
+/// client is retired.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Ledger {
     batches: BTreeMap<LedgerKey, StoredBatch>,
     mutations: BTreeMap<LedgerKey, StoredMutation>,
+}
+
+impl Ledger {
+    /// Drops a retired client's outcomes.
+    pub(super) fn forget_client(&mut self, user_id: &str, client_id: &str) {
+        let other = |(u, c, _): &LedgerKey| u != user_id || c != client_id;
+        self.batches.retain(|k, _| other(k));
+        self.mutations.retain(|k, _| other(k));
+    }
 }
 
 impl MemTx {

@@ -18,6 +18,8 @@ struct Held {
     stage: Arc<Vec<StagedRow>>,
     /// Expired, and its stage deleted.
     swept: bool,
+    /// When it was created, by the store's clock.
+    created: tokio::time::Instant,
 }
 
 /// Every rebuild session, by session ID.
@@ -40,6 +42,22 @@ impl Rebuilds {
             h.stage = Arc::new(Vec::new());
             h.swept = true;
         }
+    }
+
+    /// Every session of `stream_generation`, with when it was created.
+    pub(super) fn begun(
+        &self,
+        stream_generation: u64,
+    ) -> impl Iterator<Item = (&RebuildSession, tokio::time::Instant)> {
+        (self.sessions.values())
+            .filter(move |h| h.session.stream_generation == stream_generation)
+            .map(|h| (&h.session, h.created))
+    }
+
+    /// Drops every session of a retired client.
+    pub(super) fn forget_client(&mut self, client_id: &str) {
+        self.sessions
+            .retain(|_, h| h.session.client_id != client_id);
     }
 
     /// Every session live at `now_micros`, with its owner's user.
@@ -127,6 +145,7 @@ impl MemTx {
                 session: session.clone(),
                 stage: Arc::new(stage),
                 swept: false,
+                created: tokio::time::Instant::now(),
             },
         );
         Ok(rows)

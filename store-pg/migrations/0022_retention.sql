@@ -1,0 +1,20 @@
+-- Retention (docs/adr/0024). A superseded effect is never served, so the
+-- materializer now deletes it instead of marking it; the marked ones go.
+DELETE FROM synchro.scope_effects WHERE superseded;
+DROP INDEX synchro.scope_effects_latest;
+ALTER TABLE synchro.scope_effects DROP COLUMN superseded;
+
+-- Checkpoints by stream generation, for the floor's minimum.
+CREATE INDEX client_checkpoints_position ON synchro.client_checkpoints
+    (stream_generation, commit_lsn, event_ordinal, effect_ordinal);
+
+-- When a checkpoint was last acknowledged and a rebuild session begun, by
+-- the database's clock: what the retention window measures.
+ALTER TABLE synchro.client_checkpoints ADD COLUMN acknowledged_at timestamptz NOT NULL DEFAULT now();
+ALTER TABLE synchro.rebuild_sessions ADD COLUMN created_at timestamptz NOT NULL DEFAULT now();
+CREATE INDEX rebuild_sessions_created ON synchro.rebuild_sessions (created_at);
+
+-- Deletions and removals in position order: what compaction below the
+-- floor looks for.
+CREATE INDEX scope_effects_deletions ON synchro.scope_effects
+    (commit_lsn, event_ordinal, effect_ordinal) WHERE op = 1;
