@@ -596,6 +596,49 @@ pub fn check_cursor(
     Ok(())
 }
 
+/// One scope of one answered pull, beside the retention floor: the floor
+/// read before the request and after the answer (it only moves forward,
+/// so the floor the server judged by lies between).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FloorSeen {
+    pub client: String,
+    pub scope: String,
+    /// The position of the cursor presented.
+    pub presented: StreamPosition,
+    pub floor_before: StreamPosition,
+    pub floor_after: StreamPosition,
+    /// The answer sent the scope to rebuild.
+    pub rebuilt: bool,
+}
+
+/// The retention floor (wire spec: "Ordinary retention-floor movement
+/// preserves a cursor at or above the new floor and makes a cursor below
+/// the floor stale"), for scopes nothing else makes stale: a cursor at or
+/// above the floor is never sent to rebuild, and one below it is never
+/// served.
+pub fn check_floor(seen: &[FloorSeen]) -> Result<(), Vec<String>> {
+    let mut v = Vec::new();
+    for s in seen {
+        assert!(
+            s.floor_before <= s.floor_after,
+            "the floor only moves forward"
+        );
+        if s.rebuilt && s.presented >= s.floor_after {
+            v.push(format!(
+                "{} {}: a cursor at {:?}, at or above the floor {:?}, was sent to rebuild",
+                s.client, s.scope, s.presented, s.floor_after
+            ));
+        }
+        if !s.rebuilt && s.presented < s.floor_before {
+            v.push(format!(
+                "{} {}: a cursor at {:?}, below the floor {:?}, was served",
+                s.client, s.scope, s.presented, s.floor_before
+            ));
+        }
+    }
+    if v.is_empty() { Ok(()) } else { Err(v) }
+}
+
 /// Read your writes (wire spec, "A page or terminal checksum can never
 /// claim state older than the client's accepted push"): after a terminal
 /// page installed the cursor of `scope`, `rows` holds each of `pushed`, the
@@ -680,6 +723,33 @@ mod tests {
             event_ordinal: 0,
             effect_ordinal: 0,
         }
+    }
+
+    #[test]
+    fn the_floor_check_catches_both_sides() {
+        let seen = |presented: u64, floor: u64, rebuilt: bool| FloorSeen {
+            client: "c".into(),
+            scope: "user:u".into(),
+            presented: at(presented),
+            floor_before: at(floor),
+            floor_after: at(floor),
+            rebuilt,
+        };
+        assert!(check_floor(&[seen(5, 5, false), seen(4, 5, true)]).is_ok());
+        assert!(
+            check_floor(&[seen(5, 5, true)]).is_err(),
+            "at the floor, rebuilt"
+        );
+        assert!(
+            check_floor(&[seen(4, 5, false)]).is_err(),
+            "below it, served"
+        );
+        // The floor moved while the request was in flight: either is right.
+        let moving = |rebuilt| FloorSeen {
+            floor_before: at(3),
+            ..seen(4, 5, rebuilt)
+        };
+        assert!(check_floor(&[moving(true), moving(false)]).is_ok());
     }
 
     fn effect(row: u8, lsn: u64, version: &str, removes: bool) -> EffectView {

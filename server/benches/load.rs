@@ -11,7 +11,14 @@
 //! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_CLIENTS=100 cargo bench -p server --bench load
 //! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_FLOODS=push,slow ...  # only some of the floods
 //! SYNCHRO_LOAD_LIMITS="pages_per_user = 2; flood_burst_per_user = 90" ...  # other limits
+//! SYNCHRO_LOAD_SOAK=1 SYNCHRO_LOAD_CLIENTS=100 SYNCHRO_LOAD_SECONDS=600 cargo bench -p server --bench load
 //! ```
+//!
+//! The soak profile (issue 25) keeps 10,000 notes (100 per device) changing:
+//! each device updates one of its own notes per loop instead of inserting,
+//! and SQL updates 500 random notes a second beside it. It samples the
+//! size of the `synchro` and `public` schemas every minute, and runs
+//! twice: with compaction every 10 s, then without any.
 //!
 //! The abuse profile (issue 24) runs each count twice, without and then
 //! with one abusive user beside the clients: a rebuild flood (fresh
@@ -42,6 +49,13 @@ use store_pg::cluster::PgCluster;
 #[path = "served.rs"]
 mod served;
 use served::Served;
+
+/// The soak profile of one run.
+#[derive(Clone, Copy)]
+struct Soak {
+    /// The server compacts (every 10 s) or never does.
+    compaction: bool,
+}
 
 /// One answered (or lost) request.
 struct Sample {
@@ -104,6 +118,7 @@ async fn device(
     index: usize,
     sink: Arc<Sink>,
     stop: Arc<AtomicBool>,
+    soak: bool,
 ) {
     let mut n = 0u64;
     let mut rng = index as u64 * 0x9e37_79b9_7f4a_7c15 + 1;
@@ -115,21 +130,30 @@ async fn device(
                 .fetch_add(report.changes as u64, Ordering::Relaxed);
         }
         n += 1;
-        let write = Write {
-            table: "tbl_notes".into(),
-            pk: Value::string(format!("00000000-0000-4000-8000-{:06x}{n:06x}", index)),
-            op: WriteOp::Insert {
-                columns: [
-                    (
-                        "fld_notes_title".to_owned(),
-                        Value::string(format!("load {n}")),
-                    ),
-                    ("fld_notes_pinned".to_owned(), Value::Bool(false)),
-                ]
-                .into_iter()
-                .collect(),
+        let write = match soak {
+            true => match soak_update(&c, index, n) {
+                Some(w) => w,
+                None => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
             },
-            client_version: client::datetime(now_micros()),
+            false => Write {
+                table: "tbl_notes".into(),
+                pk: Value::string(format!("00000000-0000-4000-8000-{:06x}{n:06x}", index)),
+                op: WriteOp::Insert {
+                    columns: [
+                        (
+                            "fld_notes_title".to_owned(),
+                            Value::string(format!("load {n}")),
+                        ),
+                        ("fld_notes_pinned".to_owned(), Value::Bool(false)),
+                    ]
+                    .into_iter()
+                    .collect(),
+                },
+                client_version: client::datetime(now_micros()),
+            },
         };
         c.write(&write).unwrap();
         if let Ok(report) = c.push().await
@@ -147,6 +171,77 @@ async fn device(
         let think = 100 + (rng ^ (rng >> 31)) % 200;
         tokio::time::sleep(Duration::from_millis(think)).await;
     }
+}
+
+/// The soak profile's note `k` of device `index` (seeded before the run).
+fn soak_note(index: usize, k: usize) -> String {
+    format!("00000000-0000-4000-9000-{index:06x}{k:06x}")
+}
+
+/// An update of the device's note `n % 100` at the version it holds.
+fn soak_update(c: &Client<MemoryStore, Timed>, index: usize, n: u64) -> Option<Write> {
+    use client::local::LocalStore;
+    let pk = soak_note(index, (n % 100) as usize);
+    let wanted = json::to_canonical_string(&Value::string(pk.clone()));
+    let held = (c.store().all_holdings().ok()?.into_iter())
+        .find(|h| h.table == "tbl_notes" && h.pk.contains(&wanted))?;
+    Some(Write {
+        table: "tbl_notes".into(),
+        pk: Value::string(pk),
+        op: WriteOp::Update {
+            base_version: held.version,
+            columns: [(
+                "fld_notes_title".to_owned(),
+                Value::string(format!("soak {n}")),
+            )]
+            .into_iter()
+            .collect(),
+        },
+        client_version: client::datetime(now_micros()),
+    })
+}
+
+/// The soak profile's SQL writer: 500 random notes a second, in ten
+/// statements of 50, until `stop`.
+async fn soak_sql(pool: PgPool, clients: usize, stop: Arc<AtomicBool>) -> u64 {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut updated = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let ids: Vec<String> = (0..50)
+            .map(|_| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let note = (rng % (clients as u64 * 100)) as usize;
+                soak_note(note / 100, note % 100)
+            })
+            .collect();
+        let done = sqlx::query(
+            "UPDATE public.notes SET title = 'sql ' || clock_timestamp()::text \
+             WHERE id = ANY($1::uuid[])",
+        )
+        .bind(&ids)
+        .execute(&pool)
+        .await;
+        if let Ok(d) = done {
+            updated += d.rows_affected();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    updated
+}
+
+/// The sizes of the `synchro` and `public` schemas (heap, indexes, TOAST).
+async fn schema_bytes(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE n.nspname = 'synchro'), 0)::int8, \
+                coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE n.nspname = 'public'), 0)::int8 \
+         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relkind = 'r' AND n.nspname IN ('synchro', 'public')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// A process's resident set now and at its peak, in MB.
@@ -453,8 +548,17 @@ async fn run(
     secret_file: &str,
     secret: &[u8],
     abused: bool,
+    soak: Option<Soak>,
 ) {
-    let name = format!("load_{clients}{}", if abused { "_abused" } else { "" });
+    let name = format!(
+        "load_{clients}{}{}",
+        if abused { "_abused" } else { "" },
+        match soak {
+            Some(Soak { compaction: true }) => "_soak",
+            Some(Soak { compaction: false }) => "_soak_nocompact",
+            None => "",
+        }
+    );
     let store = store_pg::example_store(cluster, &name).await;
     let pool = store.pool().clone();
     // The abuser's scope: 20,000 notes.
@@ -468,9 +572,28 @@ async fn run(
     // Each device keeps a connection: the default cap (512) would turn
     // the 1,000-device run into a test of the cap, as a deployment of that
     // size would raise it too.
+    let users = clients.div_ceil(2);
+    if soak.is_some() {
+        // Each device's 100 notes, owned by its user.
+        sqlx::raw_sql(&format!(
+            "INSERT INTO public.notes (id, owner_id, title) \
+             SELECT ('00000000-0000-4000-9000-' || lpad(to_hex(d), 6, '0') || lpad(to_hex(k), 6, '0'))::uuid, \
+                    'user-' || (d % {users}), 'soak' \
+             FROM generate_series(0, {clients} - 1) d, generate_series(0, 99) k"
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
     let cap = format!("[server]\nmax_connections = {}", 2 * clients + 64);
+    // Compaction every 10 s, or (to compare) never in the run.
+    let retention = match soak {
+        Some(Soak { compaction: true }) => "\n[retention]\ncompact_interval_seconds = 10\n",
+        Some(Soak { compaction: false }) => "\n[retention]\ncompact_interval_seconds = 100000000\n",
+        None => "",
+    };
     let server = Served::start_with(&cluster.url(&name), secret_file, |c| {
-        c.replacen("[server]", &cap, 1)
+        c.replacen("[server]", &cap, 1) + retention
     })
     .await;
     assert!(
@@ -489,7 +612,6 @@ async fn run(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let sink = Arc::new(Sink::default());
-    let users = clients.div_ceil(2);
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -549,11 +671,16 @@ async fn run(
     let tasks: Vec<_> = devices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| tokio::spawn(device(c, i, sink.clone(), stop.clone())))
+        .map(|(i, c)| tokio::spawn(device(c, i, sink.clone(), stop.clone(), soak.is_some())))
         .collect();
+    let sql = soak.map(|_| tokio::spawn(soak_sql(pool.clone(), clients, stop.clone())));
+    let mut sizes = Vec::new();
     let mut peak_rss = 0.0f64;
     while start.elapsed() < Duration::from_secs(seconds) {
         tokio::time::sleep(Duration::from_secs(1)).await;
+        if soak.is_some() && start.elapsed().as_secs() / 60 >= sizes.len() as u64 {
+            sizes.push(schema_bytes(&pool).await);
+        }
         let (now_rss, _) = rss(server.child.id());
         peak_rss = peak_rss.max(now_rss);
         let (pushes, pulls) = {
@@ -576,6 +703,13 @@ async fn run(
     }
     for f in floods {
         f.abort();
+    }
+    let sql_updates = match sql {
+        Some(t) => t.await.unwrap(),
+        None => 0,
+    };
+    if soak.is_some() {
+        sizes.push(schema_bytes(&pool).await);
     }
     let size_after = database_bytes(&pool).await;
     let mut grown: Vec<(i64, String)> = table_bytes(&pool)
@@ -637,6 +771,27 @@ async fn run(
         .map(|(b, t)| format!("{t} {:+.1} MB", *b as f64 / 1e6))
         .collect();
     println!("  grew most: {}", most.join(", "));
+    if let Some(soak) = soak {
+        println!(
+            "  soak ({}): {sql_updates} notes updated by SQL; synchro / public schema by minute (MB):",
+            if soak.compaction {
+                "compaction every 10 s"
+            } else {
+                "no compaction"
+            }
+        );
+        let line: Vec<String> = (sizes.iter().enumerate())
+            .map(|(m, (ours, app))| {
+                format!(
+                    "{m}: {:.1} / {:.1} ({:.1}x)",
+                    *ours as f64 / 1e6,
+                    *app as f64 / 1e6,
+                    *ours as f64 / *app as f64
+                )
+            })
+            .collect();
+        println!("    {}", line.join(", "));
+    }
     if abused {
         println!("  the abuser's answers: {:?}", seen.answers.lock().unwrap());
         let pushes: Vec<String> = seen.pushes.lock().unwrap().iter().map(|d| ms(*d)).collect();
@@ -660,10 +815,45 @@ async fn main() {
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
     let abuse = std::env::var("SYNCHRO_LOAD_ABUSE").is_ok_and(|v| v == "1");
+    let soak = std::env::var("SYNCHRO_LOAD_SOAK").is_ok_and(|v| v == "1");
     for clients in counts {
-        run(&cluster, clients, seconds, &secret_file, &secret, false).await;
+        if soak {
+            for compaction in [true, false] {
+                let soak = Some(Soak { compaction });
+                run(
+                    &cluster,
+                    clients,
+                    seconds,
+                    &secret_file,
+                    &secret,
+                    false,
+                    soak,
+                )
+                .await;
+            }
+            continue;
+        }
+        run(
+            &cluster,
+            clients,
+            seconds,
+            &secret_file,
+            &secret,
+            false,
+            None,
+        )
+        .await;
         if abuse {
-            run(&cluster, clients, seconds, &secret_file, &secret, true).await;
+            run(
+                &cluster,
+                clients,
+                seconds,
+                &secret_file,
+                &secret,
+                true,
+                None,
+            )
+            .await;
         }
     }
 }

@@ -27,6 +27,7 @@ use client::local::{
 };
 use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport, TransportError};
 use client::{Write, WriteOp};
+use invariants::pull::FloorSeen;
 use invariants::system::{Authored, ClientEnd, GrantChange, HeldRow, ServerEnd, Settled};
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
@@ -34,6 +35,7 @@ use madsim::runtime::Handle;
 use madsim::time::sleep;
 use protocol::digest::Digest;
 use protocol::json::{self, Value};
+use protocol::position::StreamPosition;
 
 use crate::tripwire::{CrashPoint, Tripwire};
 use crate::{MAX_FRAME, REQUEST, RESPONSE, SERVER, decode_response, encode_request, now_micros};
@@ -59,6 +61,9 @@ pub enum SystemMutant {
     /// A client bug: a scope the server removes leaves the device's active
     /// set, but its rows stay.
     KeepRemovedRows,
+    /// Compaction deletes, each pass, the latest effect above the floor
+    /// that is not its scope's last: a change some device never receives.
+    CompactAboveFloor,
 }
 
 /// Knobs of one whole-system run.
@@ -111,6 +116,8 @@ pub struct SystemTrace {
     pub pages: u32,
     pub rebuilt: usize,
     pub mutated: bool,
+    /// Each answered pull's user scopes beside the retention floor.
+    pub floor: Vec<FloorSeen>,
 }
 
 /// Grant changes as the operator made them.
@@ -299,6 +306,10 @@ impl Transport for SimTransport {
             self.trace.lock().expect("trace").duplicated += 1;
         }
         self.local.request_sent();
+        let presented = match endpoint {
+            Endpoint::Pull => Some((floor(&self.store).await, self.presented(body).await)),
+            _ => None,
+        };
         let sent = now_micros();
         let mut ids = Vec::new();
         for _ in 0..if twice { 2 } else { 1 } {
@@ -320,6 +331,9 @@ impl Transport for SimTransport {
                     if let Some((id, status, mut b)) = decode_response(&self.buf[..n])
                         && ids.contains(&id)
                     {
+                        if status == 200 && let Some((before, presented)) = &presented {
+                            self.judge_floor(*before, presented, &b).await;
+                        }
                         if endpoint == Endpoint::Pull && status == 200
                             && self.mutant == Some(SystemMutant::DropChange)
                             && let Some(dropped) = drop_change(&b)
@@ -393,6 +407,58 @@ impl Transport for SimTransport {
 }
 
 impl SimTransport {
+    /// The client and the user scope cursors a pull request presents,
+    /// with their positions.
+    async fn presented(&self, request: &[u8]) -> (String, Vec<(String, StreamPosition)>) {
+        let Ok(v) = json::parse(request) else {
+            return (String::new(), Vec::new());
+        };
+        let o = v.as_object();
+        let client = (o.and_then(|o| o.get("client_id")).and_then(Value::as_str))
+            .unwrap_or_default()
+            .to_owned();
+        let Some(Value::Object(scopes)) = o.and_then(|o| o.get("scopes")) else {
+            return (client, Vec::new());
+        };
+        let mut out = Vec::new();
+        for (scope, s) in scopes.iter().filter(|(s, _)| s.starts_with("user:")) {
+            if let Some(token) = s
+                .as_object()
+                .and_then(|o| o.get("cursor"))
+                .and_then(Value::as_str)
+            {
+                out.push((scope.clone(), cursor_position(&self.store, token).await));
+            }
+        }
+        (client, out)
+    }
+
+    /// Records each presented user scope of an answered pull beside the floor.
+    async fn judge_floor(
+        &self,
+        floor_before: StreamPosition,
+        (client, presented): &(String, Vec<(String, StreamPosition)>),
+        page: &[u8],
+    ) {
+        let Ok(v) = json::parse(page) else { return };
+        let rebuild = match v.as_object().and_then(|o| o.get("rebuild")) {
+            Some(Value::Array(r)) => r.clone(),
+            _ => return,
+        };
+        let floor_after = floor(&self.store).await;
+        let mut t = self.trace.lock().expect("trace");
+        for (scope, at) in presented {
+            t.floor.push(FloorSeen {
+                client: client.clone(),
+                scope: scope.clone(),
+                presented: *at,
+                floor_before,
+                floor_after,
+                rebuilt: rebuild.contains(&Value::string(scope.as_str())),
+            });
+        }
+    }
+
     /// Whether `page` removes a scope the device holds rows of (so the
     /// `KeepRemovedRows` bug keeps them).
     fn removes_held_scope(&self, page: &[u8]) -> bool {
@@ -413,6 +479,12 @@ impl SimTransport {
             .filter_map(Value::as_str)
             .any(|s| store.holdings(s).is_ok_and(|h| !h.is_empty()))
     }
+}
+
+/// The stream's retention floor now.
+async fn floor(store: &MemStore) -> StreamPosition {
+    let mut tx = store.begin().await.expect("begin");
+    tx.stream_state().await.expect("stream").floor
 }
 
 /// A terminal pull page with its first upsert removed, if it has one: a
@@ -845,16 +917,30 @@ async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> 
     Err(format!("{} never settled", run.client.session().client_id))
 }
 
+/// The server's config: the example's, with retention moving the floor
+/// every second and a window of three, so that compaction runs beside
+/// every pull, push and crash, and an absent device falls below the floor.
+fn server_config() -> actors::config::SyncConfig {
+    let mut config = actors::testkit::example_config(|s| s);
+    config.retention.compact_interval_seconds = 1;
+    config.retention.window_seconds = 3;
+    config.retention.compact_batch = 8;
+    config
+}
+
 /// Runs a whole-system scenario under the current seed.
 pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
+    if scenario.mutant == Some(SystemMutant::CompactAboveFloor) {
+        store.plant_compaction_above_floor().await;
+    }
     let (tripwire, trips) = Tripwire::arm(&CrashPoint::SYSTEM);
     let tripwire = Arc::new(tripwire);
     let database = {
         let tripwire = tripwire.clone();
         crate::start_nodes(&store, scenario.packet_loss, move || {
-            crate::pull::server_main(tripwire.clone())
+            crate::serve_engine_with(server_config(), Some(tripwire.clone()), crate::pull::route)
         })
     };
     let trace = Arc::new(Mutex::new(SystemTrace::default()));

@@ -82,6 +82,8 @@ pub(super) struct CaptureState {
     pub(super) baseline_versions: BTreeMap<String, String>,
     /// A planted bug: the baseline leaves out the dependency relations.
     pub(super) baseline_without_dependencies: bool,
+    /// A planted bug: compaction deletes an effect above the floor.
+    pub(super) compact_above_floor: bool,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
@@ -149,6 +151,7 @@ impl CaptureState {
             baseline_span: None,
             baseline_versions: BTreeMap::new(),
             baseline_without_dependencies: false,
+            compact_above_floor: false,
             pending: None,
             progress: CaptureProgress {
                 boundary: Boundary::GenerationStart,
@@ -877,20 +880,28 @@ impl MemTx {
     /// that are not their scope's last effect; how many.
     pub(super) fn compact_below(&mut self, floor: StreamPosition, max: usize) -> usize {
         let c = &mut self.work.capture;
+        let not_last = |scope: &ScopeId, p: StreamPosition| {
+            (c.effects
+                .range((Bound::Excluded((scope.clone(), p)), Bound::Unbounded)))
+            .next()
+            .is_some_and(|((s, _), _)| s == scope)
+        };
         let doomed: Vec<(ScopeId, StreamPosition)> = (c.effects.iter())
             .filter(|((scope, p), e)| {
-                *p <= floor
-                    && !matches!(e.op, EffectOp::Upsert(_))
-                    && (c
-                        .effects
-                        .range((Bound::Excluded((scope.clone(), *p)), Bound::Unbounded)))
-                    .next()
-                    .is_some_and(|((s, _), _)| s == scope)
+                *p <= floor && !matches!(e.op, EffectOp::Upsert(_)) && not_last(scope, *p)
             })
             .map(|(k, _)| k.clone())
             .take(max)
             .collect();
-        for k in &doomed {
+        let planted: Option<(ScopeId, StreamPosition)> = (c.compact_above_floor)
+            .then(|| {
+                (c.effects.keys())
+                    .filter(|(s, p)| *p > floor && not_last(s, *p))
+                    .max_by_key(|(_, p)| *p)
+                    .cloned()
+            })
+            .flatten();
+        for k in doomed.iter().chain(&planted) {
             if let Some(e) = c.effects.remove(k) {
                 c.latest_effect
                     .remove(&(e.scope.clone(), e.table_id.clone(), e.identity.clone()));

@@ -275,6 +275,12 @@ impl MemStore {
         self.state.lock().await.capture.idle_end_withheld = true;
     }
 
+    /// Plants a bug: each compaction pass also deletes the latest effect
+    /// above the floor that is not its scope's last, superseded or not.
+    pub async fn plant_compaction_above_floor(&self) {
+        self.state.lock().await.capture.compact_above_floor = true;
+    }
+
     /// Plants a bug: no client's fence is ever seen pending, so a pull or
     /// rebuild right after a push may serve state older than the push.
     pub async fn plant_unseen_fences(&self) {
