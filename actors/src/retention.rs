@@ -7,15 +7,16 @@
 //!   pass runs is not stale at once), and never back. A cursor below it is
 //!   stale (`cursor::judge`), so its scope rebuilds.
 //! - Below the floor, deletions and removals go in batches of
-//!   `compact_batch`, one transaction each. Superseded effects never wait
+//!   `compact_batch`, one transaction each, with the records of the source
+//!   transactions materialized there. Superseded effects never wait
 //!   for this: the materializer deletes them as it supersedes them.
 //!
 //! The capture leader runs a pass every `compact_interval_seconds`
 //! ([`spawn`]); `synchro compact` runs one at once.
 
-use protocol::position::{Boundary, StreamPosition};
 use std::sync::Arc;
 
+use protocol::position::{Boundary, StreamPosition};
 use tokio::sync::watch;
 
 use crate::config::RetentionConfig;
@@ -31,6 +32,8 @@ pub struct Compaction {
     pub moved: bool,
     /// Effects deleted below the floor.
     pub deleted: u64,
+    /// Records of source transactions below the floor forgotten.
+    pub forgotten: u64,
     /// The materialized boundary when the pass began: the next pass's guard.
     pub seen: Guard,
 }
@@ -78,15 +81,22 @@ pub async fn compact<S: Store>(
     );
     tx.commit().await?;
     let moved = floor != stream.floor;
-    let mut deleted = 0u64;
+    let (mut deleted, mut forgotten_total) = (0u64, 0u64);
     loop {
         let mut tx = store.begin().await?;
         let n = tx.compact_below_floor(config.compact_batch).await?;
+        let forgotten = tx
+            .forget_transactions_below_floor(config.compact_batch)
+            .await?;
         tx.commit().await?;
-        assert!(n <= config.compact_batch, "a batch never exceeds its limit");
+        assert!(
+            n <= config.compact_batch && forgotten <= config.compact_batch,
+            "a batch never exceeds its limit"
+        );
         deleted += n as u64;
+        forgotten_total += forgotten as u64;
         on_batch(deleted);
-        if n < config.compact_batch {
+        if n < config.compact_batch && forgotten < config.compact_batch {
             break;
         }
         // Let capture and pulls in between batches.
@@ -96,6 +106,7 @@ pub async fn compact<S: Store>(
         floor,
         moved,
         deleted,
+        forgotten: forgotten_total,
         seen: Guard {
             generation: stream.generation,
             boundary,

@@ -18,7 +18,8 @@
 //! each device updates one of its own notes per loop instead of inserting,
 //! and SQL updates 500 random notes a second beside it. It samples the
 //! size of the `synchro` and `public` schemas every minute, and runs
-//! twice: with compaction every 10 s, then without any.
+//! twice: with compaction every 10 s, then without any
+//! (`SYNCHRO_LOAD_SOAK=compaction` runs only the first).
 //!
 //! The abuse profile (issue 24) runs each count twice, without and then
 //! with one abusive user beside the clients: a rebuild flood (fresh
@@ -231,10 +232,14 @@ async fn soak_sql(pool: PgPool, clients: usize, stop: Arc<AtomicBool>) -> u64 {
     updated
 }
 
-/// The sizes of the `synchro` and `public` schemas (heap, indexes, TOAST).
-async fn schema_bytes(pool: &PgPool) -> (i64, i64) {
+/// The sizes of the `synchro` schema, of its push ledger (which the spec
+/// keeps until a client is retired), and of the `public` schema (heap,
+/// indexes, TOAST).
+async fn schema_bytes(pool: &PgPool) -> (i64, i64, i64) {
     sqlx::query_as(
         "SELECT coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE n.nspname = 'synchro'), 0)::int8, \
+                coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE n.nspname = 'synchro' \
+                  AND c.relname IN ('push_batches', 'push_mutations')), 0)::int8, \
                 coalesce(sum(pg_total_relation_size(c.oid)) FILTER (WHERE n.nspname = 'public'), 0)::int8 \
          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
          WHERE c.relkind = 'r' AND n.nspname IN ('synchro', 'public')",
@@ -773,7 +778,7 @@ async fn run(
     println!("  grew most: {}", most.join(", "));
     if let Some(soak) = soak {
         println!(
-            "  soak ({}): {sql_updates} notes updated by SQL; synchro / public schema by minute (MB):",
+            "  soak ({}): {sql_updates} notes updated by SQL; by minute, MB: synchro without the push ledger + the ledger / public (ratio without the ledger):",
             if soak.compaction {
                 "compaction every 10 s"
             } else {
@@ -781,12 +786,14 @@ async fn run(
             }
         );
         let line: Vec<String> = (sizes.iter().enumerate())
-            .map(|(m, (ours, app))| {
+            .map(|(m, (ours, ledger, app))| {
+                let rest = (ours - ledger) as f64;
                 format!(
-                    "{m}: {:.1} / {:.1} ({:.1}x)",
-                    *ours as f64 / 1e6,
+                    "{m}: {:.1} + {:.1} / {:.1} ({:.1}x)",
+                    rest / 1e6,
+                    *ledger as f64 / 1e6,
                     *app as f64 / 1e6,
-                    *ours as f64 / *app as f64
+                    rest / *app as f64
                 )
             })
             .collect();
@@ -815,10 +822,17 @@ async fn main() {
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
     let secret = server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
     let abuse = std::env::var("SYNCHRO_LOAD_ABUSE").is_ok_and(|v| v == "1");
-    let soak = std::env::var("SYNCHRO_LOAD_SOAK").is_ok_and(|v| v == "1");
+    // `1`: with compaction, then without; `compaction`: only with it.
+    let soak_mode = std::env::var("SYNCHRO_LOAD_SOAK").unwrap_or_default();
+    let soak = soak_mode == "1" || soak_mode == "compaction";
     for clients in counts {
         if soak {
-            for compaction in [true, false] {
+            let variants: &[bool] = if soak_mode == "1" {
+                &[true, false]
+            } else {
+                &[true]
+            };
+            for &compaction in variants {
                 let soak = Some(Soak { compaction });
                 run(
                     &cluster,

@@ -95,6 +95,7 @@ enum Op {
     RetentionHold(u64, std::time::Duration),
     AdvanceFloor(StreamPosition),
     CompactBelowFloor(usize),
+    ForgetTransactionsBelowFloor(usize),
     RetireClient(String),
     ReconcileFences,
     ScopeCandidates(ScopeId, StreamPosition, Boundary, usize),
@@ -497,6 +498,14 @@ async fn transaction(
             Op::AdvanceFloor(f) => (Answer::Unit(tx.advance_floor(f).await), false),
             Op::CompactBelowFloor(max) => (
                 Answer::Count(tx.compact_below_floor(max).await.map(|n| n as u64)),
+                false,
+            ),
+            Op::ForgetTransactionsBelowFloor(max) => (
+                Answer::Count(
+                    tx.forget_transactions_below_floor(max)
+                        .await
+                        .map(|n| n as u64),
+                ),
                 false,
             ),
             Op::RetireClient(c) => (Answer::Inserted(tx.retire_client(&c).await), false),
@@ -1275,6 +1284,13 @@ impl StoreTx for RemoteTx {
 
     async fn compact_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
         match self.call(Op::CompactBelowFloor(max)).await? {
+            Answer::Count(r) => r.map(|n| n as usize),
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn forget_transactions_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        match self.call(Op::ForgetTransactionsBelowFloor(max)).await? {
             Answer::Count(r) => r.map(|n| n as usize),
             _ => Err(mismatch()),
         }

@@ -4,10 +4,6 @@ DELETE FROM synchro.scope_effects WHERE superseded;
 DROP INDEX synchro.scope_effects_latest;
 ALTER TABLE synchro.scope_effects DROP COLUMN superseded;
 
--- Checkpoints by stream generation, for the floor's minimum.
-CREATE INDEX client_checkpoints_position ON synchro.client_checkpoints
-    (stream_generation, commit_lsn, event_ordinal, effect_ordinal);
-
 -- When a checkpoint was last acknowledged and a rebuild session begun, by
 -- the database's clock: what the retention window measures.
 ALTER TABLE synchro.client_checkpoints ADD COLUMN acknowledged_at timestamptz NOT NULL DEFAULT now();
@@ -24,4 +20,7 @@ CREATE INDEX scope_effects_deletions ON synchro.scope_effects
 ALTER TABLE synchro.projections SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.05);
 ALTER TABLE synchro.scope_members SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.05);
 ALTER TABLE synchro.row_versions SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.05);
+-- Every pull advances checkpoints: no index holds their positions, so
+-- those updates stay HOT.
+ALTER TABLE synchro.client_checkpoints SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.05);
 ALTER TABLE synchro.scope_effects SET (autovacuum_vacuum_scale_factor = 0.05);

@@ -544,6 +544,10 @@ impl StoreTx for PgTx {
         self.delete_below_floor(max).await
     }
 
+    async fn forget_transactions_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        self.delete_transactions_below_floor(max).await
+    }
+
     async fn retire_client(&mut self, client_id: &str) -> Result<bool, StoreError> {
         self.write_retirement(client_id).await
     }

@@ -92,6 +92,22 @@ impl PgTx {
         Ok(deleted)
     }
 
+    pub(crate) async fn delete_transactions_below_floor(
+        &mut self,
+        max: usize,
+    ) -> Result<usize, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM synchro.source_transactions WHERE commit_lsn IN ( \
+               SELECT t.commit_lsn FROM synchro.source_transactions t, synchro.stream f \
+               WHERE t.commit_lsn < f.floor_lsn ORDER BY t.commit_lsn LIMIT $1)",
+        )
+        .bind(to_i64(max as u64)?)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(done.rows_affected() as usize)
+    }
+
     pub(crate) async fn write_retirement(&mut self, client_id: &str) -> Result<bool, StoreError> {
         let user: Option<String> = sqlx::query_scalar(
             "UPDATE synchro.clients SET retired = true WHERE client_id = $1 RETURNING user_id",

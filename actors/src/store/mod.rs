@@ -358,6 +358,14 @@ pub trait StoreTx: Send {
         max: usize,
     ) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
+    /// Forgets at most `max` records of materialized source transactions
+    /// that committed below the floor's LSN; how many. Capture's progress
+    /// is past them, so none can be materialized again.
+    fn forget_transactions_below_floor(
+        &mut self,
+        max: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
     /// Retires `client_id` irreversibly, releasing what it held: its
     /// checkpoints, rebuild sessions and push outcomes. `false`: no such
     /// client. Retiring a retired client changes nothing.

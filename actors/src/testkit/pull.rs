@@ -7,9 +7,9 @@
 //!
 //! Rebuild does not exist yet (issue 12). Where a scope needs one, the
 //! client installs [`origin_cursor`]: the final cursor a rebuild at
-//! `generation_start` returns. Nothing is ever compacted yet, so a pull
-//! from there delivers every row of the scope, which is what a rebuild
-//! followed by pulls would leave.
+//! `generation_start` returns. Nothing here moves the retention floor, so
+//! a pull from there delivers every row's last effect in the scope, which
+//! is what a rebuild followed by pulls would leave.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

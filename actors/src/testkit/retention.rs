@@ -103,6 +103,10 @@ pub async fn retention_suite<W: CaptureWorld>(world: &W) {
     assert!(c.moved);
     assert_eq!(c.floor, r_held, "R holds the floor");
     assert!(c.deleted >= 1, "the deletion below the floor is compacted");
+    assert!(
+        c.forgotten >= 1,
+        "transactions below the floor are forgotten"
+    );
     assert_floor(&store, c.floor).await;
     let (mut same, mut stale) = (0, 0);
     for (body, page) in asked.iter().zip(&before) {

@@ -286,6 +286,23 @@ impl CaptureState {
         Ok((baseline, out))
     }
 
+    /// Forgets at most `max` materialized transactions that committed
+    /// below `floor`'s LSN; how many.
+    pub(super) fn forget_transactions_below(&mut self, floor: StreamPosition, max: usize) -> usize {
+        let below = match floor {
+            StreamPosition::GenerationStart => return 0,
+            StreamPosition::Effect { commit_lsn, .. }
+            | StreamPosition::TransactionEnd { commit_lsn } => commit_lsn,
+        };
+        let old: Vec<Lsn> = (self.materialized.range(..below).map(|(l, _)| *l))
+            .take(max)
+            .collect();
+        for l in &old {
+            self.materialized.remove(l);
+        }
+        old.len()
+    }
+
     /// Drops every effect of a table.
     pub(super) fn forget_effects(&mut self, table_id: &str) {
         self.effects.retain(|_, e| e.table_id != table_id);

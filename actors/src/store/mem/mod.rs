@@ -734,6 +734,11 @@ impl StoreTx for MemTx {
         Ok(MemTx::compact_below(self, floor, max))
     }
 
+    async fn forget_transactions_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
+        let floor = self.work.stream.floor;
+        Ok(self.work.capture.forget_transactions_below(floor, max))
+    }
+
     async fn retire_client(&mut self, client_id: &str) -> Result<bool, StoreError> {
         let w = &mut self.work;
         let Some(c) = w.clients.get_mut(client_id) else {
