@@ -174,6 +174,13 @@ async fn device(
     }
 }
 
+/// The columns of a note write that sets only its title.
+fn title(text: String) -> json::Object {
+    [("fld_notes_title".to_owned(), Value::string(text))]
+        .into_iter()
+        .collect()
+}
+
 /// The soak profile's note `k` of device `index` (seeded before the run).
 fn soak_note(index: usize, k: usize) -> String {
     format!("00000000-0000-4000-9000-{index:06x}{k:06x}")
@@ -191,12 +198,7 @@ fn soak_update(c: &Client<MemoryStore, Timed>, index: usize, n: u64) -> Option<W
         pk: Value::string(pk),
         op: WriteOp::Update {
             base_version: held.version,
-            columns: [(
-                "fld_notes_title".to_owned(),
-                Value::string(format!("soak {n}")),
-            )]
-            .into_iter()
-            .collect(),
+            columns: title(format!("soak {n}")),
         },
         client_version: client::datetime(now_micros()),
     })
@@ -393,12 +395,7 @@ async fn push_flood(
                 table: "tbl_notes".into(),
                 pk: Value::string(format!("00000000-0000-4000-8001-{n:012x}")),
                 op: WriteOp::Insert {
-                    columns: [(
-                        "fld_notes_title".to_owned(),
-                        Value::string(format!("flood {n}")),
-                    )]
-                    .into_iter()
-                    .collect(),
+                    columns: title(format!("flood {n}")),
                 },
                 client_version: client::datetime(now_micros()),
             };

@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use actors::store::StoreError;
 use protocol::position::StreamPosition;
-use sqlx::Row;
 
 use crate::materialized::bounds;
 use crate::sql::to_i64;
-use crate::stream::position;
+use crate::stream::row_position;
 use crate::{PgTx, db_error};
 
 impl PgTx {
@@ -48,9 +47,7 @@ impl PgTx {
         .fetch_optional(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        let Some(r) = row else { return Ok(None) };
-        let get = |i: usize| r.try_get::<i64, _>(i).map_err(db_error);
-        Ok(Some(position(get(0)?, get(1)?, get(2)?)?))
+        row.as_ref().map(row_position).transpose()
     }
 
     pub(crate) async fn write_floor(&mut self, floor: StreamPosition) -> Result<(), StoreError> {

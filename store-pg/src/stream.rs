@@ -299,8 +299,12 @@ impl PgTx {
         .fetch_optional(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        let Some(r) = row else { return Ok(None) };
-        let get = |i: usize| r.try_get::<i64, _>(i).map_err(db_error);
-        Ok(Some(position(get(0)?, get(1)?, get(2)?)?))
+        row.as_ref().map(row_position).transpose()
     }
+}
+
+/// The position in a row's first three columns (lsn, event, effect).
+pub(crate) fn row_position(r: &sqlx::postgres::PgRow) -> Result<StreamPosition, StoreError> {
+    let get = |i: usize| r.try_get::<i64, _>(i).map_err(db_error);
+    position(get(0)?, get(1)?, get(2)?)
 }

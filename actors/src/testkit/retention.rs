@@ -40,22 +40,10 @@ pub async fn retention_suite<W: CaptureWorld>(world: &W) {
     let mut asked: Vec<Vec<u8>> = Vec::new();
     let notes: Vec<String> = (1..=6).map(|n| pull_note(100 + n)).collect();
     for n in &notes[..4] {
-        write(
-            world,
-            &[Write::Insert("public.notes", &note_row(n, "rt-a", "x"))],
-        )
-        .await;
+        insert(world, n, "x").await;
         pull_recorded(&mut a, &mut asked).await;
     }
-    write(
-        world,
-        &[Write::Update(
-            "public.notes",
-            &[("id", &notes[0])],
-            &[("title", Some("y"))],
-        )],
-    )
-    .await;
+    retitle(world, &notes[0], "y").await;
     write(
         world,
         &[Write::Delete("public.notes", &[("id", &notes[1])])],
@@ -67,22 +55,10 @@ pub async fn retention_suite<W: CaptureWorld>(world: &W) {
     r.pull(10).await; // acknowledges its cursor at the boundary
     let r_held = r.checkpoints().await["user:rt-r"].position;
     for n in &notes[4..] {
-        write(
-            world,
-            &[Write::Insert("public.notes", &note_row(n, "rt-a", "z"))],
-        )
-        .await;
+        insert(world, n, "z").await;
         pull_recorded(&mut a, &mut asked).await;
     }
-    write(
-        world,
-        &[Write::Update(
-            "public.notes",
-            &[("id", &notes[2])],
-            &[("title", Some("w"))],
-        )],
-    )
-    .await;
+    retitle(world, &notes[2], "w").await;
     pull_recorded(&mut a, &mut asked).await;
     pull_recorded(&mut a, &mut asked).await;
     assert!(asked.len() >= 8, "A was issued cursors along the way");
@@ -189,6 +165,28 @@ pub async fn retention_suite<W: CaptureWorld>(world: &W) {
     for (name, held) in [("A", &a), ("I", &i)] {
         assert_eq!(held.replica.scopes[SCOPE].rows.len(), 6, "{name}");
     }
+}
+
+/// Inserts a note of rt-a, materialized.
+async fn insert<W: CaptureWorld>(world: &W, note: &str, title: &str) {
+    write(
+        world,
+        &[Write::Insert(
+            "public.notes",
+            &note_row(note, "rt-a", title),
+        )],
+    )
+    .await;
+}
+
+/// Changes a note's title, materialized.
+async fn retitle<W: CaptureWorld>(world: &W, note: &str, title: &str) {
+    let set = [("title", Some(title))];
+    write(
+        world,
+        &[Write::Update("public.notes", &[("id", note)], &set)],
+    )
+    .await;
 }
 
 /// Writes and waits until capture materialized it.
