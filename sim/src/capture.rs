@@ -667,11 +667,7 @@ pub async fn run_capture(scenario: CaptureScenario) -> Result<CaptureTrace, Stri
     scopes.push("templates_public".into());
     for s in &scopes {
         let scope = ScopeId::parse(s).ok_or("scope")?;
-        for e in tx
-            .scope_effects(&scope, StreamPosition::GenerationStart, through)
-            .await
-            .unwrap()
-        {
+        for e in tx.journaled_effects(&scope, StreamPosition::GenerationStart, through) {
             trace.effects.push(observe(&manifest, &e)?);
         }
     }

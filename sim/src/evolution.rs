@@ -546,10 +546,7 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     scopes.insert("templates_public".into());
     for s in &scopes {
         let scope = ScopeId::parse(s).ok_or("scope")?;
-        let effects = tx
-            .scope_effects(&scope, StreamPosition::GenerationStart, through)
-            .await
-            .map_err(|e| e.to_string())?;
+        let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
         let mut held: BTreeMap<String, Value> = BTreeMap::new();
         for e in &effects {
             let key = match &e.key {

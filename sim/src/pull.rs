@@ -565,11 +565,8 @@ pub(crate) async fn effects_of(
     through: Boundary,
 ) -> Vec<EffectView> {
     let scope = ScopeId::parse(scope).expect("scope");
-    let mut tx = store.begin().await.expect("begin");
-    let effects = tx
-        .scope_effects(&scope, StreamPosition::GenerationStart, through)
-        .await
-        .expect("effects");
+    let tx = store.begin().await.expect("begin");
+    let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
     effects
         .into_iter()
         .map(|e| EffectView {

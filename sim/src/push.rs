@@ -454,11 +454,7 @@ pub async fn run_push(scenario: PushScenario) -> Result<PushTrace, String> {
     let mut chains: BTreeMap<String, VersionChain> = BTreeMap::new();
     for u in 0..scenario.users {
         let scope = ScopeId::parse(&format!("user:user-{u}")).ok_or("scope")?;
-        for e in tx
-            .scope_effects(&scope, StreamPosition::GenerationStart, through)
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        for e in tx.journaled_effects(&scope, StreamPosition::GenerationStart, through) {
             let (EffectOp::Upsert(r) | EffectOp::Tombstone(r)) = &e.op else {
                 continue;
             };

@@ -94,6 +94,9 @@ pub(super) struct CaptureState {
     effects: BTreeMap<(ScopeId, StreamPosition), Effect>,
     /// Where each (scope, table, row)'s effect is in `effects`.
     latest_effect: BTreeMap<(ScopeId, String, RowIdentity), StreamPosition>,
+    /// Every effect materialized, superseded and compacted ones included:
+    /// what judges replay (never served).
+    journal: BTreeMap<(ScopeId, StreamPosition), Effect>,
     /// Every materialized source transaction, by commit LSN.
     materialized: BTreeMap<Lsn, MaterializedTransaction>,
     pub fences_done: BTreeSet<u64>,
@@ -165,6 +168,7 @@ impl CaptureState {
             dependencies: BTreeMap::new(),
             effects: BTreeMap::new(),
             latest_effect: BTreeMap::new(),
+            journal: BTreeMap::new(),
             materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
             pending_fences: BTreeMap::new(),
@@ -307,6 +311,7 @@ impl CaptureState {
     pub(super) fn forget_effects(&mut self, table_id: &str) {
         self.effects.retain(|_, e| e.table_id != table_id);
         self.latest_effect.retain(|(_, t, _), _| t != table_id);
+        self.journal.retain(|_, e| e.table_id != table_id);
     }
 
     /// A registered row's version and fence; a row without one (written
@@ -334,6 +339,7 @@ impl CaptureState {
         self.members.clear();
         self.effects.clear();
         self.latest_effect.clear();
+        self.journal.clear();
         self.dependencies.clear();
         self.materialized.clear();
         self.progress = CaptureProgress {
@@ -804,6 +810,7 @@ impl MemTx {
             {
                 return Err(StoreError::Integrity("two effects at one position".into()));
             }
+            c.journal.insert((e.scope.clone(), e.position()), e.clone());
             let row = (e.scope.clone(), e.table_id.clone(), e.identity.clone());
             if let Some(p) = c.latest_effect.insert(row, e.position()) {
                 assert!(p < e.position(), "a row's effects strictly increase");
@@ -941,6 +948,28 @@ impl MemTx {
             ))
             .next_back()
             .map(|((_, p), _)| *p)
+    }
+
+    /// Every effect of `scope` ever materialized in (`after`, `through`],
+    /// superseded and compacted ones included, in position order: the
+    /// history a judge replays (the store serves only what is kept).
+    pub fn journaled_effects(
+        &self,
+        scope: &ScopeId,
+        after: StreamPosition,
+        through: Boundary,
+    ) -> Vec<Effect> {
+        let through = StreamPosition::from(through);
+        if through <= after {
+            return Vec::new();
+        }
+        (self.work.capture.journal)
+            .range((
+                Bound::Excluded((scope.clone(), after)),
+                Bound::Included((scope.clone(), through)),
+            ))
+            .map(|(_, e)| e.clone())
+            .collect()
     }
 
     pub(super) fn scope_effects(
