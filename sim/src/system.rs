@@ -917,14 +917,26 @@ async fn settle(run: &mut Run, store: &MemStore, trace: &Mutex<SystemTrace>) -> 
     Err(format!("{} never settled", run.client.session().client_id))
 }
 
-/// The server's config: the example's, with retention moving the floor
-/// every second and a window of three, so that compaction runs beside
-/// every pull, push and crash, and an absent device falls below the floor.
-fn server_config() -> actors::config::SyncConfig {
+/// The server's config: the example's. Without a planted bug, retention
+/// moves the floor every second with a window of three, so that
+/// compaction runs beside every pull, push and crash, and an absent device
+/// falls below the floor. The compaction bug's run keeps the month-long
+/// window (its losses must not be healed by floor rebuilds), and the other
+/// bugs' runs keep the defaults, as their scenarios were tuned.
+fn server_config(mutant: Option<SystemMutant>) -> actors::config::SyncConfig {
     let mut config = actors::testkit::example_config(|s| s);
-    config.retention.compact_interval_seconds = 1;
-    config.retention.window_seconds = 3;
-    config.retention.compact_batch = 8;
+    match mutant {
+        None => {
+            config.retention.compact_interval_seconds = 1;
+            config.retention.window_seconds = 3;
+            config.retention.compact_batch = 8;
+        }
+        Some(SystemMutant::CompactAboveFloor) => {
+            config.retention.compact_interval_seconds = 1;
+            config.retention.compact_batch = 8;
+        }
+        Some(_) => {}
+    }
     config
 }
 
@@ -939,8 +951,13 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     let tripwire = Arc::new(tripwire);
     let database = {
         let tripwire = tripwire.clone();
+        let mutant = scenario.mutant;
         crate::start_nodes(&store, scenario.packet_loss, move || {
-            crate::serve_engine_with(server_config(), Some(tripwire.clone()), crate::pull::route)
+            crate::serve_engine_with(
+                server_config(mutant),
+                Some(tripwire.clone()),
+                crate::pull::route,
+            )
         })
     };
     let trace = Arc::new(Mutex::new(SystemTrace::default()));
