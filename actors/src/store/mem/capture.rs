@@ -959,17 +959,7 @@ impl MemTx {
         after: StreamPosition,
         through: Boundary,
     ) -> Vec<Effect> {
-        let through = StreamPosition::from(through);
-        if through <= after {
-            return Vec::new();
-        }
-        (self.work.capture.journal)
-            .range((
-                Bound::Excluded((scope.clone(), after)),
-                Bound::Included((scope.clone(), through)),
-            ))
-            .map(|(_, e)| e.clone())
-            .collect()
+        effects_between(&self.work.capture.journal, scope, after, through)
     }
 
     pub(super) fn scope_effects(
@@ -978,19 +968,7 @@ impl MemTx {
         after: StreamPosition,
         through: Boundary,
     ) -> Vec<Effect> {
-        let through = StreamPosition::from(through);
-        if through <= after {
-            return Vec::new();
-        }
-        self.work
-            .capture
-            .effects
-            .range((
-                Bound::Excluded((scope.clone(), after)),
-                Bound::Included((scope.clone(), through)),
-            ))
-            .map(|(_, e)| e.clone())
-            .collect()
+        effects_between(&self.work.capture.effects, scope, after, through)
     }
 }
 
@@ -1178,4 +1156,23 @@ impl ChangeFeed for MemFeed {
         c.log.retain(|t| t.end_lsn > ack);
         Ok(())
     }
+}
+
+/// The effects of `scope` in (`after`, `through`] of one position-keyed map.
+fn effects_between(
+    map: &BTreeMap<(ScopeId, StreamPosition), Effect>,
+    scope: &ScopeId,
+    after: StreamPosition,
+    through: Boundary,
+) -> Vec<Effect> {
+    let through = StreamPosition::from(through);
+    if through <= after {
+        return Vec::new();
+    }
+    map.range((
+        Bound::Excluded((scope.clone(), after)),
+        Bound::Included((scope.clone(), through)),
+    ))
+    .map(|(_, e)| e.clone())
+    .collect()
 }
