@@ -66,6 +66,8 @@ pub struct Engine {
     /// The flood gate every request passes first.
     admission: Arc<Admission>,
     capture: watch::Receiver<CaptureStatus>,
+    /// What the materializer reports: fences, catch-up, totals.
+    reports: CaptureReports,
     /// The retention task runs while the engine lives.
     _retention: retention::Running,
     /// Latched by the first `500 sync_integrity_failure`: durable state broke
@@ -212,6 +214,7 @@ impl Engine {
             pull_pages,
             admission,
             capture,
+            reports: visibility.reports,
             _retention: retention,
             integrity_failed: Arc::new(AtomicBool::new(false)),
             unreachable_since: Arc::default(),
@@ -359,14 +362,7 @@ impl Engine {
         if held(&self.unreachable()) {
             return false;
         }
-        let health = tokio::time::timeout(
-            HEALTH_TIMEOUT,
-            self.ask(|reply| RegistryMsg::Health { reply }),
-        )
-        .await
-        .ok()
-        .flatten()
-        .flatten();
+        let health = self.capture_health().await;
         *self.unreachable() = match health {
             None => Some(tokio::time::Instant::now()),
             Some(_) => None,
@@ -383,6 +379,25 @@ impl Engine {
     /// What capture is doing now.
     pub fn capture_status(&self) -> CaptureStatus {
         self.capture.borrow().clone()
+    }
+
+    /// Capture as the leader's shared heartbeat reports it, whichever
+    /// process leads; `None` when the store does not answer.
+    pub async fn capture_health(&self) -> Option<CaptureHealth> {
+        tokio::time::timeout(
+            HEALTH_TIMEOUT,
+            self.ask(|reply| RegistryMsg::Health { reply }),
+        )
+        .await
+        .ok()
+        .flatten()
+        .flatten()
+    }
+
+    /// Source transactions and row events this process materialized since
+    /// it started.
+    pub fn materialized(&self) -> (u64, u64) {
+        self.reports.materialized()
     }
 }
 

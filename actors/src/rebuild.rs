@@ -27,6 +27,7 @@ use crate::admission::Admission;
 use crate::attempt::{self, Failure};
 use crate::config::LimitsConfig;
 use crate::cursor::{self, ContinuationRequest, Continued, CursorContext};
+use crate::key_ring::{self, Refresh};
 use crate::pull::checksum::reproject;
 use crate::registry::Registry;
 use crate::reply::Reply;
@@ -94,10 +95,21 @@ impl<S: Store> Rebuilder<S> {
     /// `/sync/rebuild` for the authenticated `user_id`, at server time
     /// `now_micros`. The time then wakes the sweep.
     pub async fn rebuild(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        let reply = attempt::retried(&self.visibility, || {
-            self.rebuild_once(user_id, body, now_micros)
-        })
-        .await;
+        let rebuild = || {
+            attempt::retried(&self.visibility, || {
+                self.rebuild_once(user_id, body, now_micros)
+            })
+        };
+        self.registry.refresh_keys(Refresh::Due).await;
+        let mut reply = rebuild().await;
+        // A continuation another process issued under keys rotated since
+        // this one read them (ADR 0025).
+        if reply.status == 400
+            && key_ring::presents_unknown_key(&self.registry.keys(), body)
+            && self.registry.refresh_keys(Refresh::Unverified).await
+        {
+            reply = rebuild().await;
+        }
         self.clock.send_replace(now_micros);
         reply
     }
@@ -154,9 +166,10 @@ impl<S: Store> Rebuilder<S> {
         attempt::rematerialization_gate(&self.registry, &progress, std::iter::once(&req.scope))?;
         let (session, ordinal) = match asked {
             Asked::First => {
+                let keys = self.registry.keys();
                 let context = SessionContext {
                     ctx: &ctx,
-                    keys: self.registry.keys(),
+                    keys: &keys,
                     client: &client,
                     req: &req,
                     membership_generation,
@@ -228,7 +241,7 @@ impl<S: Store> Rebuilder<S> {
             membership_generation,
             accepted_write_epoch: client.accepted_write_epoch,
         };
-        match cursor::judge_continuation(self.registry.keys(), ctx, &presented, token) {
+        match cursor::judge_continuation(&self.registry.keys(), ctx, &presented, token) {
             Err(_) => Err(ProtocolError::invalid_request(
                 "the continuation is not valid",
             )),
@@ -365,7 +378,7 @@ impl<S: Store> Rebuilder<S> {
             .map(|r| record(current, r))
             .collect::<Result<Vec<_>, StoreError>>()?;
         assert!(records.len() <= limit, "a page never exceeds its limit");
-        let keys = self.registry.keys();
+        let keys = &*self.registry.keys();
         let end = if more {
             let next = ordinal + limit as u64;
             RebuildEnd::More {

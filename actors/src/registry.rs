@@ -23,10 +23,11 @@ use crate::config::{MembershipRule, ScopeTemplate, SyncConfig};
 use crate::cursor::{self, CursorContext};
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
 use crate::stream::{
-    MembershipLineage, MembershipRules, load_key_ring, reconcile_membership,
-    reconcile_rematerializations,
+    MembershipLineage, MembershipRules, reconcile_membership, reconcile_rematerializations,
 };
 use protocol::token::KeyRing;
+
+use crate::key_ring::{Refresh, SharedKeyRing};
 
 /// What one schema transition changed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -342,7 +343,7 @@ pub struct Registry<S: Store> {
     membership: MembershipLineage,
     /// Registered relation -> every scope template its rules ever had.
     templates: BTreeMap<String, Vec<ScopeTemplate>>,
-    keys: KeyRing,
+    keys: SharedKeyRing,
     minimum_client_version: Option<semver::Version>,
 }
 
@@ -355,7 +356,7 @@ impl<S: Store> Registry<S> {
         reconcile_rematerializations(&mut tx, &config).await?;
         let templates = rule_templates(&config, &tx.membership_rules().await?);
         tx.commit().await?;
-        let keys = load_key_ring(&store).await?;
+        let keys = SharedKeyRing::load(&store).await?;
         let current = history
             .current()
             .cloned()
@@ -389,9 +390,15 @@ impl<S: Store> Registry<S> {
         })
     }
 
-    /// The token keys every process shares.
-    pub fn keys(&self) -> &KeyRing {
-        &self.keys
+    /// The token keys every process shares, as this process last read them.
+    pub fn keys(&self) -> Arc<KeyRing> {
+        self.keys.get()
+    }
+
+    /// Reloads the token keys when `why` says it is due (ADR 0025); whether
+    /// they changed.
+    pub async fn refresh_keys(&self, why: Refresh) -> bool {
+        self.keys.refresh(&self.store, why).await
     }
 
     /// The membership generation of each scope.
@@ -425,6 +432,7 @@ impl<S: Store> Registry<S> {
         body: &[u8],
         now_micros: i64,
     ) -> Result<ConnectResponse, ProtocolError> {
+        self.refresh_keys(Refresh::Due).await;
         // A first connect that lost the race to bind its new client_id runs
         // once more: it then finds the winner's binding and is judged by it.
         for _ in 0..2 {
@@ -591,7 +599,7 @@ impl<S: Store> Registry<S> {
                         now_micros,
                     };
                     let g = self.membership.generation_of(scope);
-                    cursor::bridge(&self.keys, &ctx, scope, g, installed_hash, token)
+                    cursor::bridge(&self.keys(), &ctx, scope, g, installed_hash, token)
                 }
                 _ => None,
             };

@@ -1,7 +1,7 @@
 //! The answer of one endpoint call: a leaf that the engine and every actor
 //! share, so that no actor depends on the engine.
 
-use protocol::error::ProtocolError;
+use protocol::error::{ErrorCode, ProtocolError};
 
 /// A complete HTTP answer: status, canonical JSON body, optional `Retry-After`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -9,6 +9,8 @@ pub struct Reply {
     pub status: u16,
     pub body: Vec<u8>,
     pub retry_after: Option<u32>,
+    /// The error code of a non-200 answer, for counting (`/metrics`).
+    pub code: Option<ErrorCode>,
 }
 
 impl Reply {
@@ -18,6 +20,7 @@ impl Reply {
             status: 200,
             body,
             retry_after: None,
+            code: None,
         }
     }
 
@@ -27,6 +30,7 @@ impl Reply {
             status: e.status(),
             body: e.to_body(),
             retry_after: e.retry_after(),
+            code: Some(e.code()),
         }
     }
 }

@@ -16,6 +16,7 @@
 //! 503 past the bound gives as `Retry-After` instead of a fixed 5 s.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -47,6 +48,15 @@ pub struct CaptureReports {
     sender: broadcast::Sender<Arc<[u64]>>,
     /// The latest catch-up estimate, and when it was made.
     catch_up: Arc<Mutex<Option<(Duration, Instant)>>>,
+    /// What this process materialized since it started.
+    materialized: Arc<MaterializedCounts>,
+}
+
+/// Source transactions and row events this process committed as leader.
+#[derive(Debug, Default)]
+pub struct MaterializedCounts {
+    transactions: AtomicU64,
+    rows: AtomicU64,
 }
 
 impl Default for CaptureReports {
@@ -54,6 +64,7 @@ impl Default for CaptureReports {
         CaptureReports {
             sender: broadcast::channel(BACKLOG).0,
             catch_up: Arc::default(),
+            materialized: Arc::default(),
         }
     }
 }
@@ -65,6 +76,24 @@ impl CaptureReports {
             // No receiver is no one waiting: nothing to do.
             let _ = self.sender.send(fences.into());
         }
+    }
+
+    /// The materializer committed a group of `transactions` holding `rows`
+    /// row events.
+    pub fn committed(&self, transactions: usize, rows: usize) {
+        let m = &self.materialized;
+        m.transactions
+            .fetch_add(transactions as u64, Ordering::Relaxed);
+        m.rows.fetch_add(rows as u64, Ordering::Relaxed);
+    }
+
+    /// Source transactions and row events materialized since start.
+    pub fn materialized(&self) -> (u64, u64) {
+        let m = &self.materialized;
+        (
+            m.transactions.load(Ordering::Relaxed),
+            m.rows.load(Ordering::Relaxed),
+        )
     }
 
     /// A watch over what is reported from now on. Taken before the

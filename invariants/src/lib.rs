@@ -17,6 +17,7 @@ pub mod pull;
 pub mod push;
 pub mod rebuild;
 pub mod system;
+pub mod tokens;
 
 use std::collections::{BTreeMap, BTreeSet};
 

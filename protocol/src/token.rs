@@ -139,6 +139,29 @@ pub struct ContinuationBindings {
     pub expires_at: i64,
 }
 
+/// The kind and the `key_id` a token's payload names, by its prefix and
+/// unauthenticated: what a ring would verify it with. `None` for anything
+/// that is not shaped like a token.
+pub fn named_key(token: &str) -> Option<(TokenKind, String)> {
+    if token.len() > MAX_TOKEN_OCTETS {
+        return None;
+    }
+    let mut parts = token.split('.');
+    let kind = match parts.next()? {
+        "ic1" => TokenKind::IncrementalCursor,
+        "rc1" => TokenKind::RebuildContinuation,
+        _ => return None,
+    };
+    let payload = decode_b64(parts.next()?).ok()?;
+    match json::parse(&payload).ok()? {
+        Value::Object(mut o) => match o.remove("key_id") {
+            Some(Value::String(id)) => Some((kind, id)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 /// The binding that stands for a user inside tokens (no identity in clear).
 pub fn user_binding(user_id: &str) -> String {
     binding("synchro:v3:user-binding:v1", &[user_id])
@@ -191,6 +214,15 @@ impl KeyRing {
             .expect("KeyRing::new proved exactly one active key per kind")
     }
 
+    /// Each key's ID, kind and state, never its secret: what tells two
+    /// rings apart.
+    pub fn shape(&self) -> Vec<(&str, TokenKind, KeyState)> {
+        self.keys
+            .iter()
+            .map(|k| (k.key_id.as_str(), k.kind, k.state))
+            .collect()
+    }
+
     /// The ID of the key that issues new tokens of `kind`.
     pub fn active_key_id(&self, kind: TokenKind) -> &str {
         &self.active(kind).key_id
@@ -201,6 +233,13 @@ impl KeyRing {
         self.keys
             .iter()
             .find(|k| k.kind == kind && k.key_id == key_id)
+    }
+
+    /// Whether `token` looks like a cursor or continuation (by its prefix)
+    /// whose payload names a key this ring lacks: a key rotated in since
+    /// the ring was read, or a retired or made-up one. Authenticates nothing.
+    pub fn lacks_key_of(&self, token: &str) -> bool {
+        named_key(token).is_some_and(|(kind, id)| self.named(kind, &id).is_none())
     }
 
     /// Issues an incremental cursor under the active cursor key.

@@ -242,3 +242,29 @@ fn key_ring_rules() {
     // The secret never shows in debug output.
     assert!(!format!("{:?}", c("a", KeyState::Active)).contains("[1"));
 }
+
+#[test]
+fn a_ring_tells_a_token_under_a_key_it_lacks() {
+    let older = ring();
+    let newer = KeyRing::new(vec![
+        key("c2", TokenKind::IncrementalCursor, KeyState::VerifyOnly, 2),
+        key("c3", TokenKind::IncrementalCursor, KeyState::Active, 4),
+        key("r1", TokenKind::RebuildContinuation, KeyState::Active, 3),
+    ])
+    .unwrap();
+    let issued = newer.issue_cursor(&cursor());
+    assert!(older.lacks_key_of(&issued), "c3 came after the older ring");
+    assert!(!newer.lacks_key_of(&issued));
+    let old = older.issue_cursor(&cursor());
+    assert!(!older.lacks_key_of(&old));
+    assert!(!newer.lacks_key_of(&old), "c2 is verify-only in the newer");
+    let continuation = older.issue_continuation(&continuation());
+    assert!(!newer.lacks_key_of(&continuation));
+    // Whatever is not a token of a known kind names no key.
+    for s in ["", "ic1", "ic1.!!.x", "xx1.e30.x", "user:u1", "rc1.e30.x"] {
+        assert!(!older.lacks_key_of(s), "{s}");
+    }
+    // The cursor prefix with the continuation key's ID: another kind's key.
+    let forged = issued.replacen("ic1", "rc1", 1);
+    assert!(older.lacks_key_of(&forged));
+}

@@ -272,13 +272,23 @@ async fn main() {
     let engine = Engine::start(store.clone(), config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let mut state = AppState::new(engine.clone(), auth, &Default::default());
+    // `SYNCHRO_BENCH_METRICS=1`: requests counted, and /metrics scraped
+    // every second (Prometheus scrapes every 15 s), to measure the cost.
+    if std::env::var("SYNCHRO_BENCH_METRICS").is_ok_and(|v| v == "1") {
+        let metrics = Arc::new(server::metrics::Metrics::new().unwrap());
+        state = state.with_metrics(metrics.clone());
+        let store = store.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                metrics.scrape(&engine, &store).await;
+            }
+        });
+        println!("with /metrics: requests counted, scraped every second");
+    }
     tokio::spawn(async move {
-        axum::serve(
-            listener,
-            router(AppState::new(engine, auth, &Default::default())),
-        )
-        .await
-        .unwrap();
+        axum::serve(listener, router(state)).await.unwrap();
     });
     println!(
         "pull over HTTP on PostgreSQL {} (adapter + engine + PgStore)",

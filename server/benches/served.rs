@@ -37,6 +37,9 @@ impl Served {
             Err(_) => config,
         };
         std::fs::write(dir.path().join("config.toml"), config).unwrap();
+        // `SYNCHRO_BENCH_METRICS=1`: /metrics on, scraped every second
+        // (Prometheus scrapes every 15 s), to measure what it costs.
+        let metrics = std::env::var("SYNCHRO_BENCH_METRICS").is_ok_and(|v| v == "1");
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
             .args([
                 "serve",
@@ -45,6 +48,11 @@ impl Served {
                 "--database-url",
                 database_url,
             ])
+            .args(if metrics {
+                &["--metrics-listen", "127.0.0.1:0"][..]
+            } else {
+                &[]
+            })
             .arg("--config")
             .arg(dir.path().join("config.toml"))
             .arg("--data-dir")
@@ -63,6 +71,12 @@ impl Served {
             if let Some(a) = line.strip_prefix("synchro: listening on http://") {
                 break a.parse().unwrap();
             }
+            if let Some(m) = line
+                .strip_prefix("synchro: metrics at http://")
+                .and_then(|l| l.strip_suffix("/metrics"))
+            {
+                scrape_every_second(m.parse().unwrap());
+            }
         };
         // Keep reading what it prints, so that it never writes to a closed pipe.
         std::thread::spawn(move || lines.for_each(drop));
@@ -72,6 +86,21 @@ impl Served {
             _dir: dir,
         }
     }
+}
+
+/// Scrapes `GET /metrics` at `addr` every second while the bench runs.
+fn scrape_every_second(addr: std::net::SocketAddr) {
+    use std::io::{Read, Write};
+    std::thread::spawn(move || {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+                return; // the server is gone
+            };
+            let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+            let _ = s.read_to_end(&mut Vec::new());
+        }
+    });
 }
 
 impl Drop for Served {

@@ -18,6 +18,7 @@ use protocol::error::{ErrorKind, ProtocolError};
 use protocol::limits::{MAX_BODY_OCTETS, RETRY_AFTER_SECONDS};
 
 use crate::auth::Authenticator;
+use crate::metrics::{self, AnsweredCode, Metrics};
 
 /// What every handler needs.
 #[derive(Clone)]
@@ -26,6 +27,8 @@ pub struct AppState {
     pub auth: Arc<Authenticator>,
     /// A request's body must arrive within this once its head did.
     pub body_timeout: Duration,
+    /// Counts and times requests when `/metrics` is served.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl AppState {
@@ -35,13 +38,23 @@ impl AppState {
             engine,
             auth,
             body_timeout: Duration::from_millis(server.body_timeout_ms),
+            metrics: None,
+        }
+    }
+
+    /// The same state, counting requests into `metrics`.
+    pub fn with_metrics(self, metrics: Arc<Metrics>) -> AppState {
+        AppState {
+            metrics: Some(metrics),
+            ..self
         }
     }
 }
 
 /// The routes of the wire spec that exist so far.
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let counted = state.metrics.clone();
+    let app = Router::new()
         .route("/sync/connect", post(connect))
         .route("/sync/push", post(push))
         .route("/sync/pull", post(pull))
@@ -52,7 +65,11 @@ pub fn router(state: AppState) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(middleware::from_fn(access_log))
-        .with_state(state)
+        .with_state(state);
+    match counted {
+        Some(m) => app.layer(middleware::from_fn_with_state(m, metrics::count)),
+        None => app,
+    }
 }
 
 /// Logs method, path, status and latency: never headers, bodies or
@@ -85,6 +102,9 @@ fn respond(reply: Reply) -> Response {
     );
     if let Some(seconds) = reply.retry_after {
         headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    if let Some(code) = reply.code {
+        response.extensions_mut().insert(AnsweredCode(code));
     }
     response
 }

@@ -5,5 +5,6 @@
 pub mod adapter;
 pub mod auth;
 pub mod listener;
+pub mod metrics;
 pub mod parse_errors;
 pub mod progress;

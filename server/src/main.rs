@@ -16,6 +16,7 @@ use server::auth::{Authenticator, dev_token, hs256_secret, hs256_secret_file};
 use server::listener::HttpLimits;
 use sqlx::postgres::PgConnectOptions;
 use store_pg::cluster::PgCluster;
+use store_pg::operator::StreamReport;
 use store_pg::{PgStore, catalog};
 
 #[derive(Parser)]
@@ -45,6 +46,13 @@ enum Command {
         /// Where the embedded PostgreSQL keeps its data.
         #[arg(long, default_value = ".synchro")]
         data_dir: PathBuf,
+        /// Serves Prometheus metrics at GET /metrics on this address (off
+        /// unless given); keep it private.
+        #[arg(long)]
+        metrics_listen: Option<SocketAddr>,
+        /// How log lines are written: `text` for people, `json` for log pipelines.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Operator actions on the capture stream: its status, and the stream reset.
     Stream {
@@ -65,6 +73,17 @@ enum Command {
         #[command(subcommand)]
         action: ClientAction,
     },
+    /// Operator actions on the token key ring (ADR 0025).
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+    /// A quarantined (poison) transaction that blocks capture: show it, and
+    /// retry it once its cause is repaired.
+    Quarantine {
+        #[command(subcommand)]
+        action: QuarantineAction,
+    },
     /// Prints a bearer token for USER that a local server (auth mode hs256) accepts.
     Token {
         #[arg(long)]
@@ -72,6 +91,13 @@ enum Command {
         #[arg(long, default_value = "synchro.toml")]
         config: PathBuf,
     },
+}
+
+/// How `serve` writes its log.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 /// Where the stream's database is: as `serve` finds it.
@@ -91,6 +117,9 @@ enum StreamAction {
     /// progress, whether a baseline is owed or capture is blocked, and
     /// the relations still being rematerialized.
     Status {
+        /// Prints one JSON object instead of lines for people.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         database: DatabaseArgs,
     },
@@ -109,6 +138,21 @@ enum StreamAction {
 
 #[derive(Subcommand)]
 enum ClientAction {
+    /// Lists the clients of a user (at most 1,000), one line each.
+    List {
+        #[arg(long)]
+        user: String,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Shows one client: generation, schema, scopes, checkpoints, rebuild
+    /// sessions and the push outcomes kept for it.
+    Show {
+        #[arg(long)]
+        client_id: String,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
     /// Retires a client irreversibly: every request of it then answers
     /// `409 client_retired`, and its checkpoints, rebuild sessions and push
     /// outcomes are released (ADR 0024). Needs --confirm.
@@ -122,6 +166,61 @@ enum ClientAction {
         database: DatabaseArgs,
     },
 }
+
+#[derive(Subcommand)]
+enum KeysAction {
+    /// Lists the token keys: ID, kind and state (never a secret).
+    List {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// A new active key for cursors and for continuations; the old ones
+    /// verify only, so no token issued before becomes invalid. Running
+    /// servers take the new keys within 10 seconds. Needs --confirm.
+    Rotate {
+        #[arg(long)]
+        confirm: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Deletes a verify-only key: every cursor and continuation issued
+    /// under it is then refused (`400 invalid_request`), so retire a key
+    /// only a retention window after the rotation (docs/OPERATIONS.md).
+    /// Needs --confirm.
+    Retire {
+        #[arg(long)]
+        key_id: String,
+        #[arg(long)]
+        confirm: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum QuarantineAction {
+    /// Shows what blocks capture, if anything.
+    Show {
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Forgets the quarantine, so that capture's next attempt (every
+    /// `[capture] retry_ms`) is judged afresh, and waits for its outcome.
+    /// Needs --confirm.
+    Retry {
+        #[arg(long)]
+        confirm: bool,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+}
+
+/// How long `synchro quarantine retry` watches for capture's next attempt.
+const RETRY_WATCH: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A quarantine not recorded again within this long after a retry counts
+/// as repaired, even when no transaction has committed since.
+const RETRY_QUIET: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long `synchro compact` waits between reading the boundary and
 /// moving the floor to at most it: a cursor or rebuild being issued
@@ -140,23 +239,32 @@ fn main() -> ExitCode {
         Command::Stream { action } => run(stream(action)),
         Command::Compact { config, database } => run(compact(&config, database)),
         Command::Client { action } => run(client(action)),
+        Command::Keys { action } => run(keys(action)),
+        Command::Quarantine { action } => run(quarantine(action)),
         Command::Serve {
             config,
             listen,
             database_url,
             data_dir,
+            metrics_listen,
+            log_format,
         } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(
-                    tracing_subscriber::EnvFilter::try_from_default_env()
-                        .unwrap_or_else(|_| "info".into()),
-                )
-                .init();
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into());
+            let log = tracing_subscriber::fmt().with_env_filter(filter);
+            match log_format {
+                LogFormat::Text => log.init(),
+                LogFormat::Json => log.json().init(),
+            }
+            let listeners = Listeners {
+                sync: listen,
+                metrics: metrics_listen,
+            };
             match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
             {
-                Ok(rt) => rt.block_on(serve(&config, listen, database_url, &data_dir)),
+                Ok(rt) => rt.block_on(serve(&config, listeners, database_url, &data_dir)),
                 Err(e) => Err(format!("cannot start the runtime: {e}")),
             }
         }
@@ -281,9 +389,9 @@ fn supervise(alive: impl Fn() -> bool + Send + Sync + 'static) -> Arc<AtomicBool
 
 /// `synchro stream status` and `synchro stream reset`.
 async fn stream(action: StreamAction) -> Result<(), String> {
-    let (confirm, database, reset) = match action {
-        StreamAction::Status { database } => (false, database, false),
-        StreamAction::Reset { confirm, database } => (confirm, database, true),
+    let (confirm, database, reset, json) = match action {
+        StreamAction::Status { json, database } => (false, database, false, json),
+        StreamAction::Reset { confirm, database } => (confirm, database, true, false),
     };
     if reset && !confirm {
         return Err(
@@ -302,19 +410,54 @@ async fn stream(action: StreamAction) -> Result<(), String> {
         return Ok(());
     }
     let r = store.stream_report().await.map_err(|e| e.to_string())?;
+    if json {
+        println!("{}", status_json(&r));
+    } else {
+        print_status(&r);
+    }
+    Ok(())
+}
+
+fn lsn_text(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
+}
+
+fn boundary_text(b: protocol::position::Boundary) -> String {
+    match b {
+        protocol::position::Boundary::GenerationStart => "generation start".to_owned(),
+        protocol::position::Boundary::TransactionEnd { commit_lsn } => lsn_text(commit_lsn),
+    }
+}
+
+fn slot_state(r: &StreamReport) -> &'static str {
+    match (&r.slot, r.slot_present.as_deref()) {
+        (None, _) => "not_created",
+        (Some(_), None) => "missing",
+        (Some(_), Some("lost")) => "lost",
+        (Some(_), Some(_)) => "present",
+    }
+}
+
+/// `synchro stream status` for people.
+fn print_status(r: &StreamReport) {
     println!("stream generation: {}", r.generation);
     match &r.slot {
         Some((name, lsn)) => println!(
-            "slot: {name}, stream began at {:X}/{:X}, {}",
-            lsn >> 32,
-            lsn & 0xffff_ffff,
-            match r.slot_present.as_deref() {
-                None => "missing",
-                Some("lost") => "invalidated (its WAL was removed)",
-                Some(_) => "present",
+            "slot: {name}, stream began at {}, {}",
+            lsn_text(*lsn),
+            match slot_state(r) {
+                "missing" => "missing",
+                "lost" => "invalidated (its WAL was removed)",
+                _ => "present",
             }
         ),
         None => println!("slot: not created yet"),
+    }
+    if let Some(wal) = &r.wal {
+        println!(
+            "slot holds: {} bytes of WAL ({} bytes not yet confirmed by capture)",
+            wal.retained_bytes, wal.unconfirmed_bytes
+        );
     }
     println!(
         "baseline: {}",
@@ -324,14 +467,18 @@ async fn stream(action: StreamAction) -> Result<(), String> {
             "materialized"
         }
     );
-    println!(
-        "materialized through: {}",
-        match r.boundary {
-            protocol::position::Boundary::GenerationStart => "generation start".to_owned(),
-            protocol::position::Boundary::TransactionEnd { commit_lsn } =>
-                format!("{:X}/{:X}", commit_lsn >> 32, commit_lsn & 0xffff_ffff),
-        }
-    );
+    println!("materialized through: {}", boundary_text(r.boundary));
+    match (r.health.heartbeat_age, r.health.caught_up_age) {
+        (None, _) => println!("capture lag: no heartbeat yet"),
+        (Some(beat), caught_up) => println!(
+            "capture lag: {}; last heartbeat {:.1} s ago",
+            caught_up.map_or("never caught up".to_owned(), |a| format!(
+                "caught up {:.1} s ago",
+                a.as_secs_f64()
+            )),
+            beat.as_secs_f64()
+        ),
+    }
     println!("retention floor: {}", position_text(r.floor));
     match &r.quarantine {
         Some(class) => println!("capture: blocked ({class})"),
@@ -343,7 +490,35 @@ async fn stream(action: StreamAction) -> Result<(), String> {
     for (relation, rows) in &r.rematerializing {
         println!("rematerializing: {relation}, {rows} rows re-read so far");
     }
-    Ok(())
+    println!("rebuild sessions: {}", r.rebuild_sessions);
+}
+
+/// `synchro stream status --json`: the same facts, with stable member names.
+fn status_json(r: &StreamReport) -> serde_json::Value {
+    let seconds = |d: Option<std::time::Duration>| d.map(|d| d.as_secs_f64());
+    serde_json::json!({
+        "stream_generation": r.generation,
+        "slot": {
+            "name": r.slot.as_ref().map(|s| s.0.clone()),
+            "stream_start_lsn": r.slot.as_ref().map(|s| lsn_text(s.1)),
+            "state": slot_state(r),
+            "retained_wal_bytes": r.wal.map(|w| w.retained_bytes),
+            "unconfirmed_wal_bytes": r.wal.map(|w| w.unconfirmed_bytes),
+        },
+        "baseline_owed": r.baseline_owed,
+        "materialized_through": boundary_text(r.boundary),
+        "capture": {
+            "blocked": r.quarantine,
+            "heartbeat_age_seconds": seconds(r.health.heartbeat_age),
+            "lag_seconds": seconds(r.health.caught_up_age),
+            "lag_bytes": r.health.lag_bytes,
+        },
+        "retention_floor": position_text(r.floor),
+        "rematerializing": r.rematerializing.iter()
+            .map(|(relation, rows)| serde_json::json!({"relation": relation, "rows_reread": rows}))
+            .collect::<Vec<_>>(),
+        "rebuild_sessions": r.rebuild_sessions,
+    })
 }
 
 /// Runs an operator command on a runtime of its own.
@@ -408,11 +583,39 @@ async fn compact(config_path: &Path, database: DatabaseArgs) -> Result<(), Strin
 
 async fn client(action: ClientAction) -> Result<(), String> {
     use actors::store::{Store, StoreTx};
-    let ClientAction::Retire {
-        client_id,
-        confirm,
-        database,
-    } = action;
+    let (client_id, confirm, database) = match action {
+        ClientAction::List { user, database } => {
+            let (_cluster, store) = operator_store(database).await?;
+            let clients = store.clients_of(&user).await.map_err(|e| e.to_string())?;
+            if clients.is_empty() {
+                println!("no clients");
+            }
+            for c in &clients {
+                println!("{}", client_line(c));
+            }
+            return Ok(());
+        }
+        ClientAction::Show {
+            client_id,
+            database,
+        } => {
+            let (_cluster, store) = operator_store(database).await?;
+            let Some(c) = store
+                .client_report(&client_id)
+                .await
+                .map_err(|e| e.to_string())?
+            else {
+                return Err("no such client".into());
+            };
+            print_client(&c);
+            return Ok(());
+        }
+        ClientAction::Retire {
+            client_id,
+            confirm,
+            database,
+        } => (client_id, confirm, database),
+    };
     if !confirm {
         return Err(
             "retiring a client is irreversible: it can never sync again; run it again \
@@ -434,6 +637,189 @@ async fn client(action: ClientAction) -> Result<(), String> {
     Ok(())
 }
 
+async fn keys(action: KeysAction) -> Result<(), String> {
+    use actors::store::{Store, StoreTx};
+    let print = |keys: &[protocol::token::TokenKey]| {
+        for k in keys {
+            println!(
+                "{}  {}  {}",
+                k.key_id,
+                match k.kind {
+                    protocol::token::TokenKind::IncrementalCursor => "cursor",
+                    protocol::token::TokenKind::RebuildContinuation => "continuation",
+                },
+                match k.state {
+                    protocol::token::KeyState::Active => "active",
+                    protocol::token::KeyState::VerifyOnly => "verify-only",
+                }
+            );
+        }
+    };
+    let stored = |store: PgStore| async move {
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        let keys = tx.token_keys().await.map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(keys)
+    };
+    match action {
+        KeysAction::List { database } => {
+            let (_cluster, store) = operator_store(database).await?;
+            print(&stored(store).await?);
+        }
+        KeysAction::Rotate { confirm, database } => {
+            if !confirm {
+                return Err("rotating makes new keys active on every server within 10 \
+                            seconds; run it again with --confirm"
+                    .into());
+            }
+            let (_cluster, store) = operator_store(database).await?;
+            actors::key_ring::rotate(&store)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!("synchro: the token keys were rotated");
+            print(&stored(store).await?);
+        }
+        KeysAction::Retire {
+            key_id,
+            confirm,
+            database,
+        } => {
+            if !confirm {
+                return Err(
+                    "every token issued under a retired key is refused from then \
+                            on; run it again with --confirm"
+                        .into(),
+                );
+            }
+            let (_cluster, store) = operator_store(database).await?;
+            let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+            let dropped = tx
+                .drop_token_key(&key_id)
+                .await
+                .map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())?;
+            if !dropped {
+                return Err("no such verify-only key (an active key is never retired; \
+                            rotate first)"
+                    .into());
+            }
+            println!("synchro: the key is retired");
+        }
+    }
+    Ok(())
+}
+
+async fn quarantine(action: QuarantineAction) -> Result<(), String> {
+    let (confirm, database, retry) = match action {
+        QuarantineAction::Show { database } => (false, database, false),
+        QuarantineAction::Retry { confirm, database } => (confirm, database, true),
+    };
+    if retry && !confirm {
+        return Err("run it again with --confirm once the cause is repaired".into());
+    }
+    let (_cluster, store) = operator_store(database).await?;
+    let report = store.stream_report().await.map_err(|e| e.to_string())?;
+    let (Some(class), Some(lsn)) = (&report.quarantine, report.quarantine_lsn) else {
+        println!("capture: not blocked");
+        return Ok(());
+    };
+    println!("capture: blocked ({class}) at {}", lsn_text(lsn));
+    println!("what it means: {}", quarantine_advice(class));
+    if !retry {
+        return Ok(());
+    }
+    store.clear_quarantine().await.map_err(|e| e.to_string())?;
+    println!("synchro: quarantine cleared; watching capture's next attempt");
+    let start = std::time::Instant::now();
+    while start.elapsed() < RETRY_WATCH {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let r = store.stream_report().await.map_err(|e| e.to_string())?;
+        if let Some(again) = &r.quarantine {
+            return Err(format!("capture is blocked again ({again})"));
+        }
+        let passed = match r.boundary {
+            protocol::position::Boundary::TransactionEnd { commit_lsn } => commit_lsn >= lsn,
+            protocol::position::Boundary::GenerationStart => false,
+        };
+        if passed || start.elapsed() >= RETRY_QUIET {
+            println!(
+                "synchro: capture resumed; materialized through {}",
+                boundary_text(r.boundary)
+            );
+            return Ok(());
+        }
+    }
+    Err("no capture leader attempted it: is synchro serve running?".into())
+}
+
+/// What an operator does about a quarantine of `class` (docs/OPERATIONS.md).
+fn quarantine_advice(class: &str) -> &'static str {
+    match class {
+        "slot_lost" => {
+            "the replication slot is gone or invalidated; only `synchro stream reset` recovers"
+        }
+        "capture_disabled" => {
+            "a capture trigger is missing or disabled; restart synchro serve to reinstall it"
+        }
+        "column_missing" | "column_retyped" => {
+            "a mapped column was dropped, renamed or retyped; restore it or change the config"
+        }
+        "truncate" | "relation_drift" => {
+            "a captured table was truncated, renamed or recreated; a stream reset recovers"
+        }
+        _ => {
+            "a source transaction cannot be materialized; repair its cause, then retry \
+             (docs/OPERATIONS.md)"
+        }
+    }
+}
+
+/// One line of `synchro client list`.
+fn client_line(c: &store_pg::operator::ClientReport) -> String {
+    format!(
+        "{}  generation {}  {}  {} scopes  last acknowledged {}",
+        c.client_id,
+        c.generation,
+        if c.retired { "retired" } else { "active" },
+        c.assigned_scopes,
+        acknowledged_text(c.last_acknowledged)
+    )
+}
+
+fn acknowledged_text(at: Option<i64>) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    at.map_or("never".into(), |t| format!("{} s ago", (now - t).max(0)))
+}
+
+/// `synchro client show`.
+fn print_client(c: &store_pg::operator::ClientReport) {
+    println!("client: {}", c.client_id);
+    println!("user: {}", c.user_id);
+    println!("generation: {}", c.generation);
+    println!("retired: {}", if c.retired { "yes" } else { "no" });
+    println!(
+        "installed schema version: {}",
+        c.schema_version
+            .map_or("none declared yet".into(), |v| v.to_string())
+    );
+    println!(
+        "scope set version: {}, {} scopes assigned",
+        c.scope_set_version, c.assigned_scopes
+    );
+    println!(
+        "checkpoints: {} scopes, last acknowledged {}",
+        c.checkpoints,
+        acknowledged_text(c.last_acknowledged)
+    );
+    println!("rebuild sessions: {}", c.rebuild_sessions);
+    println!(
+        "push outcomes kept: {} batches, {} mutations",
+        c.push_batches, c.push_mutations
+    );
+}
+
 /// A stream position as an operator reads it.
 fn position_text(p: protocol::position::StreamPosition) -> String {
     use protocol::position::StreamPosition;
@@ -452,9 +838,15 @@ fn position_text(p: protocol::position::StreamPosition) -> String {
     }
 }
 
+/// Where `serve` listens: the sync endpoints, and `/metrics` when asked.
+struct Listeners {
+    sync: SocketAddr,
+    metrics: Option<SocketAddr>,
+}
+
 async fn serve(
     config_path: &Path,
-    listen: SocketAddr,
+    listen: Listeners,
     database_url: Option<String>,
     data_dir: &Path,
 ) -> Result<(), String> {
@@ -490,12 +882,34 @@ async fn serve(
             )
         })?;
     let auth = Authenticator::from_config(&config.auth).await?;
-    let engine = Engine::start(store, config.clone())
+    let engine = Engine::start(store.clone(), config.clone())
         .await
         .map_err(|e| e.to_string())?;
-    let listener = tokio::net::TcpListener::bind(listen)
+    let mut state = AppState::new(engine.clone(), Arc::new(auth), &config.server);
+    if let Some(addr) = listen.metrics {
+        let metrics = Arc::new(server::metrics::Metrics::new().map_err(|e| e.to_string())?);
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("{addr}: {e}"))?;
+        println!(
+            "synchro: metrics at http://{}/metrics",
+            listener.local_addr().map_err(|e| e.to_string())?
+        );
+        let app = server::metrics::router(server::metrics::MetricsState {
+            metrics: metrics.clone(),
+            engine: engine.clone(),
+            store,
+        });
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "the metrics listener stopped");
+            }
+        });
+        state = state.with_metrics(metrics);
+    }
+    let listener = tokio::net::TcpListener::bind(listen.sync)
         .await
-        .map_err(|e| format!("{listen}: {e}"))?;
+        .map_err(|e| format!("{}: {e}", listen.sync))?;
     println!(
         "synchro: listening on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?
@@ -507,7 +921,7 @@ async fn serve(
         );
     }
     server::progress::draw_on_terminal(engine.clone());
-    let app = router(AppState::new(engine, Arc::new(auth), &config.server));
+    let app = router(state);
     server::listener::serve(
         listener,
         app,

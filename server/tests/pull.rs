@@ -51,6 +51,7 @@ fn http(engine: &Engine, auth: Arc<Authenticator>, secret: Arc<Vec<u8>>) -> Tran
                 status,
                 body,
                 retry_after,
+                code: None,
             }
         })
     })

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use actors::testkit::{ConnectBody, EXAMPLE_CONFIG, note_columns, note_id, note_mutation};
+use actors::testkit::{ConnectBody, note_columns, note_id, note_mutation};
 use protocol::json::{self, Value};
 use sqlx::PgPool;
 use store_pg::cluster::PgCluster;
@@ -106,28 +106,7 @@ async fn connect_and_push(addr: SocketAddr, user: &str, client: &str, n: u64) {
 }
 
 async fn setup(cluster: &PgCluster, name: &str) -> (tempfile::TempDir, String, PgPool) {
-    cluster.create_database(name).await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let config = EXAMPLE_CONFIG
-        .replace(
-            "mode = \"hs256\"\nsecret_file = \".synchro/hs256.secret\"",
-            "mode = \"upstream\"\nheader = \"x-user\"",
-        )
-        // Fast heartbeats, so that readiness follows within a second.
-        .replace(
-            "[auth]",
-            "[capture]\nheartbeat_ms = 100\nmax_heartbeat_age_ms = 2000\n\n[auth]",
-        );
-    std::fs::write(dir.path().join("config.toml"), config).unwrap();
-    std::fs::write(
-        dir.path().join("schema.sql"),
-        include_str!("../../examples/notes/schema.sql"),
-    )
-    .unwrap();
-    let pool = PgPool::connect_with(cluster.connect_options(name))
-        .await
-        .unwrap();
-    (dir, cluster.url(name), pool)
+    common::upstream_setup(cluster, name).await
 }
 
 #[tokio::test]

@@ -89,6 +89,8 @@ enum Op {
     InsertMembershipRules(Vec<MembershipRules>),
     TokenKeys,
     InsertTokenKeys(Vec<TokenKey>),
+    RotateTokenKeys(Vec<TokenKey>),
+    DropTokenKey(String),
     Checkpoints(String),
     PutCheckpoints(String, Vec<(ScopeId, Checkpoint)>),
     PendingFences(String, usize),
@@ -491,6 +493,8 @@ async fn transaction(
             }
             Op::TokenKeys => (Answer::Keys(tx.token_keys().await), false),
             Op::InsertTokenKeys(k) => (Answer::Unit(tx.insert_token_keys(&k).await), false),
+            Op::RotateTokenKeys(k) => (Answer::Unit(tx.rotate_token_keys(&k).await), false),
+            Op::DropTokenKey(k) => (Answer::Inserted(tx.drop_token_key(&k).await), false),
             Op::Checkpoints(c) => (Answer::Checkpoints(tx.checkpoints(&c).await), false),
             Op::PutCheckpoints(c, p) => (Answer::Unit(tx.put_checkpoints(&c, &p).await), false),
             Op::PendingFences(c, max) => (Answer::Fences(tx.pending_fences(&c, max).await), false),
@@ -1230,6 +1234,20 @@ impl StoreTx for RemoteTx {
     async fn insert_token_keys(&mut self, keys: &[TokenKey]) -> Result<(), StoreError> {
         match self.call(Op::InsertTokenKeys(keys.to_vec())).await? {
             Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn rotate_token_keys(&mut self, fresh: &[TokenKey]) -> Result<(), StoreError> {
+        match self.call(Op::RotateTokenKeys(fresh.to_vec())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn drop_token_key(&mut self, key_id: &str) -> Result<bool, StoreError> {
+        match self.call(Op::DropTokenKey(key_id.to_owned())).await? {
+            Answer::Inserted(r) => r,
             _ => Err(mismatch()),
         }
     }

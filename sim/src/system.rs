@@ -29,6 +29,7 @@ use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport
 use client::{Write, WriteOp};
 use invariants::pull::FloorSeen;
 use invariants::system::{Authored, ClientEnd, GrantChange, HeldRow, ServerEnd, Settled};
+use invariants::tokens::TokenUse;
 use madsim::net::NetSim;
 use madsim::rand::{Rng, thread_rng};
 use madsim::runtime::Handle;
@@ -64,6 +65,9 @@ pub enum SystemMutant {
     /// Compaction deletes, each pass, the latest effect above the floor
     /// that is not its scope's last: a change some device never receives.
     CompactAboveFloor,
+    /// A key rotation deletes the old keys instead of keeping them
+    /// verify-only: the cursors and continuations devices hold are forged.
+    RotationForgetsKeys,
 }
 
 /// Knobs of one whole-system run.
@@ -118,6 +122,10 @@ pub struct SystemTrace {
     pub mutated: bool,
     /// Each answered pull's user scopes beside the retention floor.
     pub floor: Vec<FloorSeen>,
+    /// Token key rotations the operator completed (ADR 0025).
+    pub rotations: usize,
+    /// Every answered pull and rebuild, with the keys of its tokens.
+    pub token_uses: Vec<TokenUse>,
 }
 
 /// Grant changes as the operator made them.
@@ -331,6 +339,16 @@ impl Transport for SimTransport {
                     if let Some((id, status, mut b)) = decode_response(&self.buf[..n])
                         && ids.contains(&id)
                     {
+                        let uses = match endpoint {
+                            Endpoint::Pull => Some("pull"),
+                            Endpoint::Rebuild => Some("rebuild"),
+                            _ => None,
+                        };
+                        if let Some(name) = uses {
+                            let mut t = self.trace.lock().expect("trace");
+                            let used = TokenUse::of(name, body, status, &b, t.rotations);
+                            t.token_uses.push(used);
+                        }
                         if status == 200 && let Some((before, presented)) = &presented {
                             self.judge_floor(*before, presented, &b).await;
                         }
@@ -426,8 +444,9 @@ impl SimTransport {
                 .as_object()
                 .and_then(|o| o.get("cursor"))
                 .and_then(Value::as_str)
+                && let Some(position) = verified_position(&self.store, token).await
             {
-                out.push((scope.clone(), cursor_position(&self.store, token).await));
+                out.push((scope.clone(), position));
             }
         }
         (client, out)
@@ -940,12 +959,46 @@ fn server_config(mutant: Option<SystemMutant>) -> actors::config::SyncConfig {
     config
 }
 
+/// The operator rotates the token keys twice while devices sync and the
+/// server crashes (ADR 0025), the second time after the server has had
+/// time to issue under the first rotation's keys.
+async fn rotate_keys(
+    store: MemStore,
+    mutant: Option<SystemMutant>,
+    stop: Arc<AtomicBool>,
+    trace: Arc<Mutex<SystemTrace>>,
+) -> Result<(), String> {
+    for _ in 0..2 {
+        sleep(Duration::from_millis(thread_rng().gen_range(3_000..12_000))).await;
+        if stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        actors::key_ring::rotate(&store)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut t = trace.lock().expect("trace");
+        t.rotations += 1;
+        t.mutated |= mutant == Some(SystemMutant::RotationForgetsKeys);
+    }
+    Ok(())
+}
+
+/// The position a presented cursor stands for; `None` when the store's
+/// keys do not verify it (the planted rotation bug forgot its key: the
+/// token judge reports that refusal).
+async fn verified_position(store: &MemStore, token: &str) -> Option<StreamPosition> {
+    let ring = actors::stream::load_key_ring(store).await.ok()?;
+    Some(ring.verify_cursor(token).ok()?.position)
+}
+
 /// Runs a whole-system scenario under the current seed.
 pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String> {
     let handle = Handle::current();
     let store = actors::testkit::example_mem_store(thread_rng().r#gen()).await;
-    if scenario.mutant == Some(SystemMutant::CompactAboveFloor) {
-        store.plant_compaction_above_floor().await;
+    match scenario.mutant {
+        Some(SystemMutant::CompactAboveFloor) => store.plant_compaction_above_floor().await,
+        Some(SystemMutant::RotationForgetsKeys) => store.plant_rotation_forgets_keys().await,
+        _ => {}
     }
     let (tripwire, trips) = Tripwire::arm(&CrashPoint::SYSTEM);
     let tripwire = Arc::new(tripwire);
@@ -992,6 +1045,12 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
         stop.clone(),
         Some(grants.clone()),
     ));
+    let rotator = database.spawn(rotate_keys(
+        store.clone(),
+        scenario.mutant,
+        stop.clone(),
+        trace.clone(),
+    ));
     let mut tasks = Vec::new();
     for i in 0..users * scenario.devices {
         let user = format!("user-{}", i % users);
@@ -1028,6 +1087,9 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     stop.store(true, Ordering::Relaxed);
     app.await.map_err(|e| format!("application failed: {e}"))?;
     ops.await.map_err(|e| format!("operator failed: {e}"))?;
+    rotator
+        .await
+        .map_err(|e| format!("key rotation failed: {e}"))??;
     NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
     for run in &mut runs {
         settle(run, &store, &trace).await?;

@@ -21,6 +21,9 @@ fn judged(t: &SystemTrace) -> Result<(), Vec<String>> {
     if let Err(more) = invariants::pull::check_floor(&t.floor) {
         v.extend(more);
     }
+    if let Err(more) = invariants::tokens::check_token_uses(&t.token_uses) {
+        v.extend(more);
+    }
     if v.is_empty() { Ok(()) } else { Err(v) }
 }
 
@@ -36,12 +39,17 @@ async fn the_whole_system_converges_under_faults() {
     let reproduce = reproduce("the_whole_system_converges_under_faults");
     let t = run(SystemScenario::default(), &reproduce).await;
     eprintln!(
-        "stats: writes {} pages {} rebuilt {} floor judged {} (stale {}) lost {} duplicated {} restarts {} offline {} crashes {} aimed {} elapsed {:?} ({:?})",
+        "stats: writes {} pages {} rebuilt {} floor judged {} (stale {}) rotations {} rotated keys presented {} lost {} duplicated {} restarts {} offline {} crashes {} aimed {} elapsed {:?} ({:?})",
         t.writes,
         t.pages,
         t.rebuilt,
         t.floor.len(),
         t.floor.iter().filter(|f| f.rebuilt).count(),
+        t.rotations,
+        t.token_uses
+            .iter()
+            .filter(|u| u.presents_rotated_key())
+            .count(),
         t.lost,
         t.duplicated,
         t.restarts,
@@ -59,6 +67,7 @@ async fn the_whole_system_converges_under_faults() {
         "the run did something\n{reproduce}"
     );
     assert!(t.crashes >= 1, "the server crashed\n{reproduce}");
+    assert!(t.rotations >= 1, "the keys were rotated\n{reproduce}");
 }
 
 /// A planted server bug: one pull page loses a change. The client's
@@ -185,5 +194,24 @@ async fn compaction_above_the_floor_is_caught() {
     assert!(
         judged(&t).is_err(),
         "the compacted change went unnoticed\n{reproduce}"
+    );
+}
+
+/// A planted server bug: a key rotation deletes the old keys. Devices that
+/// hold cursors or continuations issued before it are refused as forged;
+/// the token judge reports it.
+#[madsim::test]
+async fn a_rotation_that_forgets_old_keys_is_caught() {
+    let reproduce = reproduce("a_rotation_that_forgets_old_keys_is_caught");
+    let scenario = SystemScenario {
+        mutant: Some(SystemMutant::RotationForgetsKeys),
+        ..SystemScenario::default()
+    };
+    let t = run(scenario, &reproduce).await;
+    assert!(t.mutated, "the bug fired\n{reproduce}");
+    let refused = invariants::tokens::check_token_uses(&t.token_uses);
+    assert!(
+        refused.is_err(),
+        "the forgotten keys went unnoticed\n{reproduce}"
     );
 }

@@ -650,6 +650,14 @@ impl StoreTx for PgTx {
         self.write_token_keys(keys).await
     }
 
+    async fn rotate_token_keys(&mut self, fresh: &[TokenKey]) -> Result<(), StoreError> {
+        self.rotate_keys(fresh).await
+    }
+
+    async fn drop_token_key(&mut self, key_id: &str) -> Result<bool, StoreError> {
+        self.drop_key(key_id).await
+    }
+
     async fn checkpoints(
         &mut self,
         client_id: &str,

@@ -36,6 +36,13 @@ pub(crate) fn position(lsn: i64, event: i64, effect: i64) -> Result<StreamPositi
     })
 }
 
+fn state_text(state: KeyState) -> &'static str {
+    match state {
+        KeyState::Active => "active",
+        KeyState::VerifyOnly => "verify_only",
+    }
+}
+
 fn kind_text(k: TokenKind) -> &'static str {
     match k {
         TokenKind::IncrementalCursor => "incremental",
@@ -136,6 +143,45 @@ impl PgTx {
             .collect()
     }
 
+    pub(crate) async fn rotate_keys(&mut self, fresh: &[TokenKey]) -> Result<(), StoreError> {
+        sqlx::query("UPDATE synchro.token_keys SET state = 'verify_only' WHERE state = 'active'")
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        let done = sqlx::query(
+            "INSERT INTO synchro.token_keys (key_id, kind, state, secret) \
+             SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[]) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(fresh.iter().map(|k| k.key_id.as_str()).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|k| kind_text(k.kind)).collect::<Vec<_>>())
+        .bind(
+            fresh
+                .iter()
+                .map(|k| state_text(k.state))
+                .collect::<Vec<_>>(),
+        )
+        .bind(fresh.iter().map(|k| k.secret.to_vec()).collect::<Vec<_>>())
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if done.rows_affected() != fresh.len() as u64 {
+            return Err(integrity("a token key ID stored twice"));
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn drop_key(&mut self, key_id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM synchro.token_keys WHERE key_id = $1 AND state = 'verify_only'",
+        )
+        .bind(key_id)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
     pub(crate) async fn write_token_keys(&mut self, keys: &[TokenKey]) -> Result<(), StoreError> {
         // All or none: a process that stored its keys first keeps them.
         sqlx::query(
@@ -145,14 +191,7 @@ impl PgTx {
         )
         .bind(keys.iter().map(|k| k.key_id.as_str()).collect::<Vec<_>>())
         .bind(keys.iter().map(|k| kind_text(k.kind)).collect::<Vec<_>>())
-        .bind(
-            keys.iter()
-                .map(|k| match k.state {
-                    KeyState::Active => "active",
-                    KeyState::VerifyOnly => "verify_only",
-                })
-                .collect::<Vec<_>>(),
-        )
+        .bind(keys.iter().map(|k| state_text(k.state)).collect::<Vec<_>>())
         .bind(keys.iter().map(|k| k.secret.to_vec()).collect::<Vec<_>>())
         .execute(&mut *self.tx)
         .await

@@ -187,6 +187,8 @@ impl<S: Store> Ledger<S> {
                 status: batch.status,
                 body: batch.body,
                 retry_after: None,
+                // A stored answer, replayed: counted by its status only.
+                code: None,
             });
         }
         let mut reused = BTreeMap::new();

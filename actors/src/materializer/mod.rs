@@ -470,6 +470,7 @@ async fn lead<S: Store>(
         };
         if let Some(m) = &outcome.combined {
             assert!(m.end_lsn > durable_end, "progress only moves forward");
+            reports.committed(group.len(), group.iter().map(|t| t.events.len()).sum());
             assert!(
                 match boundary {
                     Boundary::GenerationStart => true,

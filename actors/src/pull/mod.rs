@@ -26,6 +26,7 @@ use crate::admission::Admission;
 use crate::attempt::{self, Failure};
 use crate::capture::{Effect, EffectOp};
 use crate::cursor::{self, CursorContext, Presented};
+use crate::key_ring::{self, Refresh};
 use crate::registry::{Registry, reconcile_assignment};
 use crate::reply::Reply;
 use crate::store::{ClientRecord, Store, StoreError, StoreTx};
@@ -72,12 +73,24 @@ impl<S: Store> Puller<S> {
 
     /// `/sync/pull` for the authenticated `user_id`, at server time `now_micros`.
     pub async fn pull(&self, user_id: &str, body: &[u8], now_micros: i64) -> Reply {
-        attempt::retried(&self.visibility, || async {
-            self.pull_once(user_id, body, now_micros)
-                .await
-                .map(|r| r.to_body())
-        })
-        .await
+        let pull = || {
+            attempt::retried(&self.visibility, || async {
+                self.pull_once(user_id, body, now_micros)
+                    .await
+                    .map(|r| r.to_body())
+            })
+        };
+        self.registry.refresh_keys(Refresh::Due).await;
+        let reply = pull().await;
+        // A cursor another process issued under keys rotated since this
+        // one read them (ADR 0025).
+        if reply.status == 400
+            && key_ring::presents_unknown_key(&self.registry.keys(), body)
+            && self.registry.refresh_keys(Refresh::Unverified).await
+        {
+            return pull().await;
+        }
+        reply
     }
 
     /// One attempt in one snapshot transaction; nothing is written unless it commits.
@@ -171,7 +184,7 @@ impl<S: Store> Puller<S> {
             .iter()
             .map(|(scope, token)| {
                 let g = membership.generation_of(scope);
-                cursor::judge(self.registry.keys(), ctx, scope, g, token.as_deref())
+                cursor::judge(&self.registry.keys(), ctx, scope, g, token.as_deref())
                     .map(|p| (scope.clone(), p))
                     .map_err(|_| ProtocolError::invalid_request("a cursor is not valid"))
             })
@@ -237,7 +250,7 @@ impl<S: Store> Puller<S> {
             if let Some(p) = positions.get(r.scope) {
                 assert!(*p >= r.after, "progress only moves forward");
                 let token = cursor::issue(
-                    self.registry.keys(),
+                    &self.registry.keys(),
                     ctx,
                     r.scope,
                     r.membership_generation,

@@ -316,6 +316,20 @@ pub trait StoreTx: Send {
         keys: &[TokenKey],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Key rotation (ADR 0025): every active key becomes verify-only and
+    /// `fresh` (one active key per kind, under unused IDs) is stored.
+    fn rotate_token_keys(
+        &mut self,
+        fresh: &[TokenKey],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes the verify-only key `key_id`; tokens under it are forged from
+    /// then on. Whether such a key was found (an active key never is).
+    fn drop_token_key(
+        &mut self,
+        key_id: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
     /// The acknowledged checkpoints of a client, by scope.
     fn checkpoints(
         &mut self,

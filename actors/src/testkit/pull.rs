@@ -1196,6 +1196,48 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     .unwrap();
     assert_eq!(shape(&tx.token_keys().await.unwrap()), shape(&first));
     tx.commit().await.unwrap();
+    // Rotation: the active keys become verify-only and the new ones are
+    // active, in one transaction; a verify-only key can be dropped, an
+    // active one never; a reused key ID is refused.
+    let mut tx = store.begin().await.unwrap();
+    let fresh = [
+        key("ic-2", TokenKind::IncrementalCursor, 3),
+        key("rc-2", TokenKind::RebuildContinuation, 4),
+    ];
+    tx.rotate_token_keys(&fresh).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let verify_only = |k: &TokenKey| TokenKey {
+        state: KeyState::VerifyOnly,
+        ..k.clone()
+    };
+    let rotated: Vec<TokenKey> = (first.iter().map(verify_only))
+        .chain(fresh.iter().cloned())
+        .collect();
+    assert_eq!(shape(&tx.token_keys().await.unwrap()), shape(&rotated));
+    assert!(KeyRing::new(tx.token_keys().await.unwrap()).is_ok());
+    assert!(
+        !tx.drop_token_key("ic-2").await.unwrap(),
+        "an active key stays"
+    );
+    assert!(!tx.drop_token_key("nowhere").await.unwrap());
+    assert!(tx.drop_token_key("ic-1").await.unwrap());
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        shape(&tx.token_keys().await.unwrap()),
+        shape(&rotated[1..]),
+        "ic-1 dropped"
+    );
+    assert!(matches!(
+        tx.rotate_token_keys(&[
+            key("rc-2", TokenKind::IncrementalCursor, 5),
+            key("rc-3", TokenKind::RebuildContinuation, 6),
+        ])
+        .await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
     // Checkpoints: per client and scope, replaced by a later put.
     let s1 = ScopeId::parse("s1").unwrap();
     let s2 = ScopeId::parse("s2").unwrap();

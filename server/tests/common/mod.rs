@@ -50,6 +50,16 @@ pub fn spawn_serve(
     args: &[&std::ffi::OsStr],
     stderr: std::process::Stdio,
 ) -> (std::process::Child, SocketAddr) {
+    let (child, addr, _) = spawn_serve_lines(args, stderr);
+    (child, addr)
+}
+
+/// `spawn_serve`, also returning the lines printed before the address.
+#[allow(dead_code)] // not every test binary spawns the server
+pub fn spawn_serve_lines(
+    args: &[&std::ffi::OsStr],
+    stderr: std::process::Stdio,
+) -> (std::process::Child, SocketAddr, Vec<String>) {
     use std::io::BufRead;
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_synchro"))
         .arg("serve")
@@ -59,6 +69,7 @@ pub fn spawn_serve(
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut before = Vec::new();
     let addr = loop {
         let line = lines
             .next()
@@ -67,10 +78,11 @@ pub fn spawn_serve(
         if let Some(a) = line.strip_prefix("synchro: listening on http://") {
             break a.parse().unwrap();
         }
+        before.push(line);
     };
     // Keep draining stdout so the process never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
-    (child, addr)
+    (child, addr, before)
 }
 
 /// `synchro serve` on loopback with `dir/config.toml` and `dir/data`: on
@@ -94,4 +106,36 @@ pub fn serve_dir(
         data.as_os_str(),
     ]);
     spawn_serve(&args, stderr)
+}
+
+/// A database `name` on `cluster` for `synchro serve`: a directory with the
+/// example's config (trusted upstream header `x-user`, fast heartbeats so
+/// that readiness follows within a second) and schema, the database's URL,
+/// and a pool on it.
+#[allow(dead_code)] // not every test binary spawns the server
+pub async fn upstream_setup(
+    cluster: &store_pg::cluster::PgCluster,
+    name: &str,
+) -> (tempfile::TempDir, String, sqlx::PgPool) {
+    cluster.create_database(name).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = actors::testkit::EXAMPLE_CONFIG
+        .replace(
+            "mode = \"hs256\"\nsecret_file = \".synchro/hs256.secret\"",
+            "mode = \"upstream\"\nheader = \"x-user\"",
+        )
+        .replace(
+            "[auth]",
+            "[capture]\nheartbeat_ms = 100\nmax_heartbeat_age_ms = 2000\n\n[auth]",
+        );
+    std::fs::write(dir.path().join("config.toml"), config).unwrap();
+    std::fs::write(
+        dir.path().join("schema.sql"),
+        include_str!("../../../examples/notes/schema.sql"),
+    )
+    .unwrap();
+    let pool = sqlx::PgPool::connect_with(cluster.connect_options(name))
+        .await
+        .unwrap();
+    (dir, cluster.url(name), pool)
 }

@@ -14,7 +14,7 @@ use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
-use protocol::token::TokenKey;
+use protocol::token::{KeyState, TokenKey};
 use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 
 use super::{ClientRecord, Store, StoreError, StoreTx};
@@ -44,6 +44,9 @@ struct State {
     stream: StreamState,
     membership_rules: Vec<MembershipRules>,
     token_keys: Vec<TokenKey>,
+    /// A planted bug: rotation deletes the old keys instead of keeping
+    /// them verify-only.
+    rotation_forgets_keys: bool,
     /// Each checkpoint, and when (by the store's clock) it was acknowledged.
     checkpoints: BTreeMap<(String, ScopeId), (Checkpoint, tokio::time::Instant)>,
     rebuilds: rebuild::Rebuilds,
@@ -92,6 +95,7 @@ impl MemStore {
                 stream: StreamState::default(),
                 membership_rules: Vec::new(),
                 token_keys: Vec::new(),
+                rotation_forgets_keys: false,
                 checkpoints: BTreeMap::new(),
                 rebuilds: rebuild::Rebuilds::default(),
             })),
@@ -279,6 +283,12 @@ impl MemStore {
     /// above the floor that is not its scope's last, superseded or not.
     pub async fn plant_compaction_above_floor(&self) {
         self.state.lock().await.capture.compact_above_floor = true;
+    }
+
+    /// Plants a bug: a key rotation deletes the old keys, so every token
+    /// issued before it is forged.
+    pub async fn plant_rotation_forgets_keys(&self) {
+        self.state.lock().await.rotation_forgets_keys = true;
     }
 
     /// Plants a bug: no client's fence is ever seen pending, so a pull or
@@ -668,6 +678,31 @@ impl StoreTx for MemTx {
             self.work.token_keys = keys.to_vec();
         }
         Ok(())
+    }
+
+    async fn rotate_token_keys(&mut self, fresh: &[TokenKey]) -> Result<(), StoreError> {
+        let keys = &mut self.work.token_keys;
+        if fresh
+            .iter()
+            .any(|f| keys.iter().any(|k| k.key_id == f.key_id))
+        {
+            return Err(StoreError::Integrity("a token key ID stored twice".into()));
+        }
+        for k in keys.iter_mut() {
+            k.state = KeyState::VerifyOnly;
+        }
+        if self.work.rotation_forgets_keys {
+            keys.clear();
+        }
+        keys.extend(fresh.iter().cloned());
+        Ok(())
+    }
+
+    async fn drop_token_key(&mut self, key_id: &str) -> Result<bool, StoreError> {
+        let keys = &mut self.work.token_keys;
+        let before = keys.len();
+        keys.retain(|k| k.key_id != key_id || k.state == KeyState::Active);
+        Ok(keys.len() < before)
     }
 
     async fn checkpoints(
