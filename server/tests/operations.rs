@@ -740,3 +740,75 @@ async fn stream_status_reports_lag_and_wal_as_json() {
     assert!(out.contains("slot holds: "), "{out}");
     assert!(out.contains("capture lag: caught up"), "{out}");
 }
+
+/// `--log-format json`: every line the server logs is one JSON object with
+/// a level and a message, and none holds the user, the client or a token.
+#[tokio::test]
+async fn json_logs_are_one_object_per_line_without_identities() {
+    let cluster = PgCluster::temp().unwrap();
+    let (dir, url, _pool) = setup(&cluster, "logs").await;
+    let (config, data) = (dir.path().join("config.toml"), dir.path().join("data"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_synchro"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .args(["--database-url", &url])
+        .arg("--config")
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(&data)
+        // Every request logged, as an operator would turn it on.
+        .env("RUST_LOG", "info,server::adapter=debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The log goes to stdout, beside the lines the binary prints itself.
+    let (addr, logged) = {
+        use std::io::BufRead;
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let addr: SocketAddr = loop {
+            let line = lines.next().unwrap().unwrap();
+            if let Some(a) = line.strip_prefix("synchro: listening on http://") {
+                break a.parse().unwrap();
+            }
+        };
+        (
+            addr,
+            std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>()),
+        )
+    };
+    wait_ready(addr).await;
+    let store = PgStore::connect(cluster.connect_options("logs"))
+        .await
+        .unwrap();
+    let mut device = Device::connect(addr, &store, "logged-user", "logged-client").await;
+    device.sync(addr).await;
+    let cursor = device.cursor("user:logged-user");
+    let (status, _) = send(addr, "/sync/pull", "logged-user", b"{}".to_vec()).await;
+    assert_eq!(status, 400);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    child.wait().unwrap();
+    let lines: Vec<String> = logged
+        .join()
+        .unwrap()
+        .into_iter()
+        .filter(|l| !l.is_empty() && !l.starts_with("synchro: "))
+        .collect();
+    assert!(lines.len() >= 4, "requests were logged:\n{lines:#?}");
+    for line in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string(), "{line}");
+        assert!(v["fields"]["message"].is_string(), "{line}");
+    }
+    let text = lines.join("\n");
+    assert!(
+        text.contains(r#""path":"/sync/pull""#) && text.contains(r#""status":400"#),
+        "the access log is there:\n{text}"
+    );
+    for secret in ["logged-user", "logged-client", cursor.as_str()] {
+        assert!(!text.contains(secret), "the log holds `{secret}`:\n{text}");
+    }
+}
