@@ -77,7 +77,7 @@ enum Op {
     DependencyRowsById(String, Vec<String>),
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
-    Quarantine(Quarantine),
+    Quarantine(Quarantine, u64),
     CompleteBaseline(Vec<u64>),
     Rematerializations,
     PutRematerializations(Vec<Rematerialization>),
@@ -471,7 +471,7 @@ async fn transaction(
                 false,
             ),
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
-            Op::Quarantine(q) => (Answer::Unit(tx.quarantine(&q).await), false),
+            Op::Quarantine(q, g) => (Answer::Unit(tx.quarantine(&q, g).await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
             Op::ForgetTable(t) => (Answer::Count(tx.forget_table(&t).await), false),
             Op::Rematerializations => (
@@ -1151,8 +1151,15 @@ impl StoreTx for RemoteTx {
             .await
     }
 
-    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
-        match self.call(Op::Quarantine(q.clone())).await? {
+    async fn quarantine(
+        &mut self,
+        q: &Quarantine,
+        stream_generation: u64,
+    ) -> Result<(), StoreError> {
+        match self
+            .call(Op::Quarantine(q.clone(), stream_generation))
+            .await?
+        {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }

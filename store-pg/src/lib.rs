@@ -500,8 +500,12 @@ impl StoreTx for PgTx {
         self.write_baseline_done(covered_fences).await
     }
 
-    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
-        self.write_quarantine(q).await
+    async fn quarantine(
+        &mut self,
+        q: &Quarantine,
+        stream_generation: u64,
+    ) -> Result<(), StoreError> {
+        self.write_quarantine(q, stream_generation).await
     }
 
     async fn forget_table(&mut self, table_id: &str) -> Result<u64, StoreError> {

@@ -558,17 +558,8 @@ impl PgTx {
         &mut self,
         m: &Materialization,
     ) -> Result<(), StoreError> {
+        self.same_generation(m.stream_generation).await?;
         let tx = &mut *self.tx;
-        // A reset waits for this lock, and this write refuses once one ran.
-        let generation: i64 = sqlx::query_scalar("SELECT generation FROM synchro.stream FOR SHARE")
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(db_error)?;
-        if to_u64(generation)? != m.stream_generation {
-            return Err(StoreError::Unavailable(
-                "the stream was reset since capture read its progress".into(),
-            ));
-        }
         let advanced = sqlx::query(
             "UPDATE synchro.capture_progress SET commit_lsn = $1, end_lsn = $2, \
              quarantine_lsn = NULL, quarantine_class = NULL \
@@ -779,7 +770,27 @@ impl PgTx {
         Ok(())
     }
 
-    pub(crate) async fn write_quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+    /// Capture read its progress in `stream_generation`: refused once a
+    /// reset began another. A reset waits for this lock.
+    async fn same_generation(&mut self, stream_generation: u64) -> Result<(), StoreError> {
+        let generation: i64 = sqlx::query_scalar("SELECT generation FROM synchro.stream FOR SHARE")
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        if to_u64(generation)? != stream_generation {
+            return Err(StoreError::Unavailable(
+                "the stream was reset since capture read its progress".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn write_quarantine(
+        &mut self,
+        q: &Quarantine,
+        stream_generation: u64,
+    ) -> Result<(), StoreError> {
+        self.same_generation(stream_generation).await?;
         sqlx::query(
             "UPDATE synchro.capture_progress SET quarantine_lsn = $1, quarantine_class = $2",
         )

@@ -148,13 +148,14 @@ async fn block_if_broken<S: Store>(
     let Some(problem) = store.check_capture().await? else {
         return Ok(false);
     };
-    let durable_end = {
+    let (durable_end, generation) = {
         let mut tx = store.begin().await?;
         let p = tx.capture_progress().await?;
+        let generation = tx.stream_state().await?.generation;
         tx.commit().await?;
-        p.end_lsn
+        (p.end_lsn, generation)
     };
-    block_installation(store, durable_end, problem, status).await?;
+    block_installation(store, durable_end, generation, problem, status).await?;
     Ok(true)
 }
 
@@ -163,14 +164,18 @@ async fn block_if_broken<S: Store>(
 async fn block_installation<S: Store>(
     store: &S,
     durable_end: Lsn,
+    generation: u64,
     problem: CaptureProblem,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<(), StoreError> {
     let mut tx = store.begin().await?;
-    tx.quarantine(&Quarantine {
-        commit_lsn: durable_end,
-        problem: problem.clone(),
-    })
+    tx.quarantine(
+        &Quarantine {
+            commit_lsn: durable_end,
+            problem: problem.clone(),
+        },
+        generation,
+    )
     .await?;
     tx.commit().await?;
     let blocked = CaptureStatus::Blocked(problem.clone());
@@ -247,10 +252,13 @@ async fn commit_group<S: Store>(
         }
     }
     if let Some((commit_lsn, problem)) = &outcome.problem {
-        tx.quarantine(&Quarantine {
-            commit_lsn: *commit_lsn,
-            problem: problem.clone(),
-        })
+        tx.quarantine(
+            &Quarantine {
+                commit_lsn: *commit_lsn,
+                problem: problem.clone(),
+            },
+            generation,
+        )
         .await?;
     }
     let end = outcome.combined.as_ref().map_or(durable_end, |m| m.end_lsn);
@@ -295,7 +303,7 @@ async fn lead<S: Store>(
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
     if let Some(problem) = store.check_capture().await? {
-        return block_installation(store, progress.end_lsn, problem, status).await;
+        return block_installation(store, progress.end_lsn, generation, problem, status).await;
     }
     let mut boundary = progress.boundary;
     let mut durable_end: Lsn = progress.end_lsn;
@@ -321,10 +329,13 @@ async fn lead<S: Store>(
                 problem,
             } => {
                 let mut tx = store.begin().await?;
-                tx.quarantine(&Quarantine {
-                    commit_lsn,
-                    problem: problem.clone(),
-                })
+                tx.quarantine(
+                    &Quarantine {
+                        commit_lsn,
+                        problem: problem.clone(),
+                    },
+                    generation,
+                )
                 .await?;
                 tx.commit().await?;
                 tracing::error!(
@@ -374,7 +385,7 @@ async fn lead<S: Store>(
             // While idle, make sure nothing that feeds capture was dropped,
             // recreated or disabled (that would silently stop the WAL).
             if let Some(problem) = store.check_capture().await? {
-                return block_installation(store, durable_end, problem, status).await;
+                return block_installation(store, durable_end, generation, problem, status).await;
             }
             // An operator reset the stream (ADR 0012): this feed's slot is
             // no longer the stream's. The next feed takes the new baseline.

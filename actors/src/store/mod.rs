@@ -288,9 +288,15 @@ pub trait StoreTx: Send {
         records: &[Rematerialization],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Records the transaction that blocks capture.
-    fn quarantine(&mut self, q: &Quarantine)
-    -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Records the transaction that blocks capture, found by a leader that
+    /// read its progress in `stream_generation`. Refused (unavailable,
+    /// nothing written) once a reset began another generation: a leader
+    /// of the old stream must not block the new one.
+    fn quarantine(
+        &mut self,
+        q: &Quarantine,
+        stream_generation: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// The stream's generation, retention generation and floor.
     fn stream_state(&mut self) -> impl Future<Output = Result<StreamState, StoreError>> + Send;

@@ -971,13 +971,22 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     second
         .effects
         .push(effect(300, EffectOp::Remove(removed.clone())));
+    // A leader of another stream generation (a reset ran since it read its
+    // progress) blocks nothing.
     let mut tx = store.begin().await.unwrap();
-    tx.quarantine(&Quarantine {
+    let generation = tx.stream_state().await.unwrap().generation;
+    let q = Quarantine {
         commit_lsn: 250,
         problem: CaptureProblem::Truncate,
-    })
-    .await
-    .unwrap();
+    };
+    assert!(matches!(
+        tx.quarantine(&q, generation + 1).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.capture_progress().await.unwrap().quarantine, None);
+    tx.quarantine(&q, generation).await.unwrap();
     tx.commit().await.unwrap();
     let mut tx = store.begin().await.unwrap();
     assert!(

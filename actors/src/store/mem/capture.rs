@@ -743,12 +743,19 @@ impl MemTx {
             .collect()
     }
 
-    pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
-        if m.stream_generation != self.work.stream.generation {
+    /// Capture read its progress in `stream_generation`: refused once a
+    /// reset began another.
+    pub(super) fn same_generation(&self, stream_generation: u64) -> Result<(), StoreError> {
+        if stream_generation != self.work.stream.generation {
             return Err(StoreError::Unavailable(
                 "the stream was reset since capture read its progress".into(),
             ));
         }
+        Ok(())
+    }
+
+    pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        self.same_generation(m.stream_generation)?;
         let c = &mut self.work.capture;
         if let Boundary::TransactionEnd { commit_lsn } = c.progress.boundary
             && m.commit_lsn <= commit_lsn

@@ -613,7 +613,12 @@ impl StoreTx for MemTx {
         MemTx::complete_baseline(self, covered_fences)
     }
 
-    async fn quarantine(&mut self, q: &Quarantine) -> Result<(), StoreError> {
+    async fn quarantine(
+        &mut self,
+        q: &Quarantine,
+        stream_generation: u64,
+    ) -> Result<(), StoreError> {
+        self.same_generation(stream_generation)?;
         MemTx::quarantine(self, q);
         Ok(())
     }
