@@ -65,6 +65,9 @@ impl PgTx {
         Ok(())
     }
 
+    /// Deletes up to `max` deletions and removals below the floor, never
+    /// waiting on a row the materializer holds (it may be superseding it):
+    /// such a row is left for the next pass, so the two never deadlock.
     pub(crate) async fn delete_below_floor(&mut self, max: usize) -> Result<usize, StoreError> {
         let done = sqlx::query(
             "DELETE FROM synchro.scope_effects d USING ( \
@@ -76,7 +79,8 @@ impl PgTx {
                  AND EXISTS (SELECT 1 FROM synchro.scope_effects l WHERE l.scope_id = e.scope_id \
                    AND (l.commit_lsn, l.event_ordinal, l.effect_ordinal) \
                      > (e.commit_lsn, e.event_ordinal, e.effect_ordinal)) \
-               ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT $1) v \
+               ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT $1 \
+               FOR UPDATE OF e SKIP LOCKED) v \
              WHERE d.scope_id = v.scope_id AND d.commit_lsn = v.commit_lsn \
                AND d.event_ordinal = v.event_ordinal AND d.effect_ordinal = v.effect_ordinal",
         )
