@@ -960,18 +960,30 @@ fn server_config(mutant: Option<SystemMutant>) -> actors::config::SyncConfig {
 }
 
 /// The operator rotates the token keys twice while devices sync and the
-/// server crashes (ADR 0025), the second time after the server has had
-/// time to issue under the first rotation's keys.
+/// server crashes (ADR 0025). Each rotation waits until devices hold
+/// tokens issued since the one before (eight answered requests presented
+/// some), so that there are tokens to keep working across it.
 async fn rotate_keys(
     store: MemStore,
     mutant: Option<SystemMutant>,
     stop: Arc<AtomicBool>,
     trace: Arc<Mutex<SystemTrace>>,
 ) -> Result<(), String> {
-    for _ in 0..2 {
-        sleep(Duration::from_millis(thread_rng().gen_range(3_000..12_000))).await;
-        if stop.load(Ordering::Relaxed) {
-            return Ok(());
+    let presented = |trace: &Mutex<SystemTrace>, rotations: usize| {
+        let t = trace.lock().expect("trace");
+        (t.token_uses.iter())
+            .filter(|u| u.status == 200 && !u.keys.is_empty() && u.rotations_before == rotations)
+            .count()
+    };
+    for rotation in 0..2 {
+        loop {
+            sleep(Duration::from_millis(thread_rng().gen_range(1_000..4_000))).await;
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            if presented(&trace, rotation) >= 8 {
+                break;
+            }
         }
         actors::key_ring::rotate(&store)
             .await
@@ -1096,6 +1108,13 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     }
     // Each device pulls once more: another's last push may have come after its pull.
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    for run in &mut runs {
+        settle(run, &store, &trace).await?;
+    }
+    // And once more past the age at which the server reads its key ring
+    // again: every device presents the tokens it holds, issued before a
+    // late rotation perhaps, to a server that has read the rotated ring.
+    sleep(actors::key_ring::RELOAD_AGE + Duration::from_secs(1)).await;
     for run in &mut runs {
         settle(run, &store, &trace).await?;
     }
