@@ -959,13 +959,14 @@ fn server_config(mutant: Option<SystemMutant>) -> actors::config::SyncConfig {
     config
 }
 
-/// The operator rotates the token keys twice while devices sync and the
-/// server crashes (ADR 0025). Each rotation waits until devices hold
+/// The operator rotates the token keys `rotations` times while devices
+/// sync and the server crashes (ADR 0025). Each rotation waits until devices hold
 /// tokens issued since the one before (eight answered requests presented
 /// some), so that there are tokens to keep working across it.
 async fn rotate_keys(
     store: MemStore,
     mutant: Option<SystemMutant>,
+    rotations: usize,
     stop: Arc<AtomicBool>,
     trace: Arc<Mutex<SystemTrace>>,
 ) -> Result<(), String> {
@@ -975,7 +976,7 @@ async fn rotate_keys(
             .filter(|u| u.status == 200 && !u.keys.is_empty() && u.rotations_before == rotations)
             .count()
     };
-    for rotation in 0..2 {
+    for rotation in 0..rotations {
         loop {
             sleep(Duration::from_millis(thread_rng().gen_range(1_000..4_000))).await;
             if stop.load(Ordering::Relaxed) {
@@ -1057,9 +1058,16 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
         stop.clone(),
         Some(grants.clone()),
     ));
+    // Key rotations in the run without a planted bug and in the rotation
+    // bug's: the other bugs' runs keep the scenario they were tuned in.
+    let rotates = matches!(
+        scenario.mutant,
+        None | Some(SystemMutant::RotationForgetsKeys)
+    );
     let rotator = database.spawn(rotate_keys(
         store.clone(),
         scenario.mutant,
+        if rotates { 2 } else { 0 },
         stop.clone(),
         trace.clone(),
     ));
@@ -1114,9 +1122,11 @@ pub async fn run_system(scenario: SystemScenario) -> Result<SystemTrace, String>
     // And once more past the age at which the server reads its key ring
     // again: every device presents the tokens it holds, issued before a
     // late rotation perhaps, to a server that has read the rotated ring.
-    sleep(actors::key_ring::RELOAD_AGE + Duration::from_secs(1)).await;
-    for run in &mut runs {
-        settle(run, &store, &trace).await?;
+    if rotates {
+        sleep(actors::key_ring::RELOAD_AGE + Duration::from_secs(1)).await;
+        for run in &mut runs {
+            settle(run, &store, &trace).await?;
+        }
     }
     let mut t = trace.lock().expect("trace").clone();
     let mut tx = store.begin().await.map_err(|e| e.to_string())?;
