@@ -33,6 +33,10 @@ pub struct SyncConfig {
     pub limits: LimitsConfig,
     #[serde(default)]
     pub retention: RetentionConfig,
+    /// Set by `synchro serve --roll-back`, never by the file: start with a
+    /// config that a newer one replaced (ADR 0020 §8).
+    #[serde(skip)]
+    pub roll_back: bool,
 }
 
 /// What one user, and the whole instance, may make the server spend

@@ -164,6 +164,74 @@ impl SchemaHistory {
     }
 }
 
+/// What a config makes of the data, as one digest: its tables' manifest,
+/// each captured relation's model (fields, types, rules) and its
+/// assignment. Built from the config's own values in canonical JSON, so
+/// that one config has one fingerprint under every version of the server.
+pub fn config_fingerprint(config: &SyncConfig) -> Result<String, RegistryError> {
+    let tables = config
+        .table_manifests()
+        .map_err(|e| RegistryError::Config(e.0))?;
+    let manifest = Manifest::new(1, None, TransitionClass::Initial, 1, tables)
+        .map_err(|e| RegistryError::Config(e.0.into()))?;
+    let capture = crate::capture::model_fingerprints(config)
+        .into_iter()
+        .map(|(relation, model)| (relation, Value::string(model)));
+    let a = &config.assignment;
+    let text = |s: &str| Value::string(s);
+    let dependencies = a.dependency.iter().map(|d| {
+        Value::Array(vec![
+            text(&d.relation),
+            text(&d.user_column),
+            text(&d.value_column),
+            text(&d.scope),
+        ])
+    });
+    let shared: BTreeSet<&String> = a.shared.iter().collect();
+    let assignment = json::object([
+        ("user_scope", text(&a.user_scope)),
+        (
+            "shared",
+            Value::Array(shared.into_iter().map(|s| text(s)).collect()),
+        ),
+        ("grants", Value::Bool(a.grants)),
+        ("dependency", Value::Array(dependencies.collect())),
+    ]);
+    let v = json::object([
+        ("tables", Value::string(manifest.hash().to_hex())),
+        ("capture", Value::Object(capture.collect())),
+        ("assignment", assignment),
+    ]);
+    let digest =
+        protocol::sha256::Digest::of("synchro config fingerprint", &json::to_canonical(&v));
+    Ok(digest.to_hex())
+}
+
+/// Refuses a config that a newer one replaced (ADR 0020 §8): a process of
+/// an older deploy, restarted, would bring its schema and rules back over
+/// the newer ones, and re-read and reset clients each time the two
+/// alternate. `roll_back` (the operator's `--roll-back`) returns to it on
+/// purpose. Records the config as the newest. Runs in the caller's transaction.
+pub async fn reconcile_config<T: StoreTx>(
+    tx: &mut T,
+    config: &SyncConfig,
+    roll_back: bool,
+) -> Result<(), RegistryError> {
+    let fingerprint = config_fingerprint(config)?;
+    let applied = tx.applied_configs().await?;
+    match applied.iter().position(|f| *f == fingerprint) {
+        Some(i) if i + 1 == applied.len() => return Ok(()),
+        Some(i) if !roll_back => {
+            return Err(RegistryError::Replaced {
+                newer: applied.len() - i - 1,
+            });
+        }
+        _ => {}
+    }
+    tx.apply_config(&fingerprint).await?;
+    Ok(())
+}
+
 /// Brings the stored history up to the config: appends a manifest when the
 /// config's tables differ from the current one. Runs in the caller's transaction.
 pub async fn reconcile_schema<T: StoreTx>(
@@ -279,6 +347,10 @@ pub fn check_id_reuse(history: &[Manifest], tables: &[TableManifest]) -> Result<
 #[derive(Debug)]
 pub enum RegistryError {
     Config(String),
+    /// The config is one that `newer` configs applied since replaced.
+    Replaced {
+        newer: usize,
+    },
     Store(StoreError),
 }
 
@@ -292,6 +364,12 @@ impl std::fmt::Display for RegistryError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             RegistryError::Config(m) => write!(f, "config: {m}"),
+            RegistryError::Replaced { newer } => write!(
+                f,
+                "config: this config was replaced by a newer one ({newer} applied since), \
+                 and a process of an older deploy must not bring it back; \
+                 start with the newest config, or pass --roll-back to return to this one on purpose"
+            ),
             RegistryError::Store(e) => write!(f, "{e}"),
         }
     }
@@ -351,6 +429,7 @@ impl<S: Store> Registry<S> {
     /// Loads the history, appending the config's manifest when it changed.
     pub async fn load(store: S, config: SyncConfig) -> Result<Registry<S>, RegistryError> {
         let mut tx = store.begin().await?;
+        reconcile_config(&mut tx, &config, config.roll_back).await?;
         let history = reconcile_schema(&mut tx, &config).await?;
         let membership = reconcile_membership(&mut tx, &config).await?;
         reconcile_rematerializations(&mut tx, &config).await?;

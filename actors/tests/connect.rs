@@ -140,7 +140,17 @@ async fn ids_are_never_reused_across_versions() {
     Engine::start(store.clone(), example_config(without))
         .await
         .unwrap();
-    let back = start(|s| s).await.unwrap();
+    // A return to the first config is refused as a replaced one, and on
+    // purpose (`--roll-back`) as a reuse of a removed field ID.
+    let replaced = start(|s| s).await.unwrap();
+    assert!(replaced.contains("--roll-back"), "{replaced}");
+    let mut first = example_config(|s| s);
+    first.roll_back = true;
+    let back = Engine::start(store.clone(), first)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap();
     assert!(
         back.contains("table tbl_notes, field fld_notes_pinned: the field ID was removed earlier"),
         "{back}"

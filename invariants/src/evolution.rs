@@ -4,7 +4,8 @@
 //! are computed here from the source tables, by the notes example's rules
 //! written by hand (they share no code with the materializer): notes in
 //! `user:{owner_id}` and, through `note_shares`, `group:{team_id}`;
-//! templates in `templates_public`.
+//! templates in `templates_public`. And a process of the old deploy that
+//! restarts after the change is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -161,6 +162,22 @@ pub fn check_device(
         Ok(())
     } else {
         Err(violations)
+    }
+}
+
+/// A process of the old deploy that restarted after the new config
+/// started was refused (ADR 0020 §8): `refused` is how it fared, `None`
+/// if it never got an answer. Started, it would bring the replaced
+/// config's schema and rules back over the newer ones.
+pub fn check_replaced_refused(refused: Option<bool>) -> Result<(), Vec<String>> {
+    match refused {
+        Some(true) => Ok(()),
+        Some(false) => Err(vec![
+            "a process started under a config that a newer one replaced".into(),
+        ]),
+        None => Err(vec![
+            "the old deploy's process got no answer to its start".into(),
+        ]),
     }
 }
 

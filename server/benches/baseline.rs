@@ -10,22 +10,41 @@
 //! Then the rematerialization of a config change (ADR 0020): the baseline
 //! runs without the notes' `body`, and a restart syncs it, so every note is
 //! re-read, projected and delivered again; its time, rows/s, ratio to the
-//! same write floor measured after it, and the server's peak RSS.
+//! same write floor measured after it, and the server's peak RSS. Meanwhile
+//! readers of another scope (`templates_public`, 1,000 rows, which the
+//! change does not touch) pull steadily, and their pull latency is compared
+//! with the same readers' on the same process once it is done (idle).
 //!
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
-//! sets the row count, `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's
-//! chunk, 512 by default).
+//! sets the row count, 1,250,000 by default: 1,000,000 notes and 250,000
+//! shares; `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's chunk, 512 by
+//! default).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use sqlx::PgPool;
+use store_pg::PgStore;
 use store_pg::cluster::PgCluster;
 
 #[path = "served.rs"]
 mod served;
 use served::Served;
+#[path = "pulling.rs"]
+mod pulling;
+use pulling::{Client, ms, percentile};
+
+/// Readers of the templates during and after the rematerialization.
+const READERS: usize = 4;
+/// Each reader's pause between pulls (about 80 pulls a second in all).
+const READER_THINK: Duration = Duration::from_millis(50);
+/// How long the readers pull once the rematerialization is done.
+const IDLE: Duration = Duration::from_secs(20);
+/// The templates the readers hold.
+const TEMPLATES: usize = 1_000;
 
 /// A process's peak resident set, in KiB.
 fn peak_kib(pid: u32) -> u64 {
@@ -53,7 +72,7 @@ async fn main() {
     let rows: usize = std::env::var("SYNCHRO_BENCH_BASELINE_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000_000);
+        .unwrap_or(1_250_000);
     let notes = rows * 4 / 5;
     let cluster = PgCluster::temp().unwrap();
     let store = store_pg::example_store(&cluster, "baseline_bench").await;
@@ -64,14 +83,16 @@ async fn main() {
                 '2026-07-18 14:00:00+00' FROM generate_series(1, {notes}) g; \
          INSERT INTO public.note_shares (note_id, team_id) \
          SELECT id, 'team-' || (row_number() OVER () % 50) FROM public.notes \
-         ORDER BY id LIMIT {};",
+         ORDER BY id LIMIT {}; \
+         INSERT INTO public.templates (id, name, body) \
+         SELECT 'tpl-' || g, 'template ' || g, repeat('t', 80) FROM generate_series(1, {TEMPLATES}) g;",
         rows - notes
     ))
     .execute(&pool)
     .await
     .unwrap();
     for sql in [
-        "VACUUM ANALYZE public.notes, public.note_shares",
+        "VACUUM ANALYZE public.notes, public.note_shares, public.templates",
         "CHECKPOINT",
     ] {
         sqlx::raw_sql(sql).execute(&pool).await.unwrap();
@@ -84,15 +105,20 @@ async fn main() {
 
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("hs256.secret").display().to_string();
-    server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
-    // The notes' `body` is not synced yet: the rematerialization below adds it.
+    let secret = server::auth::hs256_secret(std::path::Path::new(&secret_file)).unwrap();
+    // The notes' `body` is not synced yet: the rematerialization below adds
+    // it. The floor stays at the stream's start, so the readers' cursors
+    // from its origin stay current.
     let without_body = |c: String| {
         let line = c
             .lines()
             .find(|l| l.contains("fld_notes_body"))
             .unwrap()
             .to_owned();
-        c.replace(&format!("{line}\n"), "")
+        c.replace(&format!("{line}\n"), "").replace(
+            "[server]",
+            "[retention]\ncompact_interval_seconds = 86400\n\n[server]",
+        )
     };
     let server =
         Served::start_with(&cluster.url("baseline_bench"), &secret_file, without_body).await;
@@ -116,7 +142,11 @@ async fn main() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(projected as usize, notes, "every note is projected");
+    assert_eq!(
+        projected as usize,
+        notes + TEMPLATES,
+        "every note and template is projected"
+    );
     let floor = write_floor(&pool).await;
     let baseline_peak = peak;
     // The rematerialization (ADR 0020): a restart with `body` synced, over
@@ -128,11 +158,15 @@ async fn main() {
     let with_chunks = |c: String| {
         c.replace(
             "[server]",
-            &format!("[capture]\nrematerialize_chunk_rows = {chunk_rows}\n\n[server]"),
+            &format!(
+                "[capture]\nrematerialize_chunk_rows = {chunk_rows}\n\n\
+                 [retention]\ncompact_interval_seconds = 86400\n\n[server]"
+            ),
         )
     };
     let server =
         Served::start_with(&cluster.url("baseline_bench"), &secret_file, with_chunks).await;
+    let readers = Readers::start(&store, server.addr, &secret).await;
     loop {
         let owed: i64 =
             sqlx::query_scalar("SELECT count(*) FROM synchro.rematerializations WHERE pending")
@@ -145,6 +179,9 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let remat = start.elapsed();
+    let done = Instant::now();
+    tokio::time::sleep(IDLE).await;
+    let (during, idle) = readers.stop(done).await;
     let remat_peak = peak_kib(server.child.id());
     let reread: i64 = sqlx::query_scalar("SELECT sum(rows)::int8 FROM synchro.rematerializations")
         .fetch_one(&pool)
@@ -160,6 +197,19 @@ async fn main() {
         remat_floor.as_secs_f64(),
         remat.as_secs_f64() / remat_floor.as_secs_f64(),
         remat_peak as f64 / 1024.0,
+    );
+    println!(
+        "readers of templates_public ({READERS}, steady pulls every {} ms): \
+         during the rematerialization p50 {:.2} ms, p99 {:.2} ms ({} pulls); \
+         idle after it p50 {:.2} ms, p99 {:.2} ms ({} pulls); p99 {:.2}x idle",
+        READER_THINK.as_millis(),
+        ms(percentile(&during, 0.5)),
+        ms(percentile(&during, 0.99)),
+        during.len(),
+        ms(percentile(&idle, 0.5)),
+        ms(percentile(&idle, 0.99)),
+        idle.len(),
+        percentile(&during, 0.99).as_secs_f64() / percentile(&idle, 0.99).as_secs_f64(),
     );
     let peak = baseline_peak;
     println!(
@@ -177,6 +227,69 @@ async fn main() {
         floor.as_secs_f64() / copy.as_secs_f64(),
         baseline.as_secs_f64() / floor.as_secs_f64()
     );
+}
+
+/// Clients pulling only `templates_public`, steadily (nothing changes in
+/// it), each pull's start and latency recorded.
+struct Readers {
+    running: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<(Instant, Duration)>>>,
+}
+
+impl Readers {
+    /// Connects the readers and pulls their templates to the end; then
+    /// each pulls again every [`READER_THINK`] until stopped.
+    async fn start(store: &PgStore, addr: std::net::SocketAddr, secret: &[u8]) -> Readers {
+        let running = Arc::new(AtomicBool::new(true));
+        let mut tasks = Vec::new();
+        for i in 0..READERS {
+            let mut c = Client::connect(store, addr, secret, &format!("reader-{i}")).await;
+            // Only the scope the change does not touch: the user's own is
+            // fed by the notes, and answers 503 while they are re-read. (The
+            // answer adds it back each time; the reader only installs cursors.)
+            c.replica.scopes.retain(|s, _| s == "templates_public");
+            let mut templates = 0;
+            loop {
+                let (more, n, _) = c.pull_cursors(1000).await;
+                templates += n;
+                if !more {
+                    break;
+                }
+            }
+            assert_eq!(templates, TEMPLATES, "every template");
+            let running = running.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut samples = Vec::new();
+                while running.load(Ordering::Relaxed) {
+                    let start = Instant::now();
+                    let (more, n, _) = c.pull_cursors(1000).await;
+                    samples.push((start, start.elapsed()));
+                    assert!(!more && n == 0, "nothing changes in the templates");
+                    tokio::time::sleep(READER_THINK).await;
+                }
+                samples
+            }));
+        }
+        Readers { running, tasks }
+    }
+
+    /// Stops the readers; their latencies before `done` and after it, each sorted.
+    async fn stop(self, done: Instant) -> (Vec<Duration>, Vec<Duration>) {
+        self.running.store(false, Ordering::Relaxed);
+        let (mut during, mut idle) = (Vec::new(), Vec::new());
+        for t in self.tasks {
+            for (start, latency) in t.await.unwrap() {
+                if start + latency <= done {
+                    during.push(latency);
+                } else if start >= done {
+                    idle.push(latency);
+                }
+            }
+        }
+        during.sort();
+        idle.sort();
+        (during, idle)
+    }
 }
 
 /// The time to write the baseline's materialized rows again, as plainly as

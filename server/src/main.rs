@@ -53,6 +53,11 @@ enum Command {
         /// How log lines are written: `text` for people, `json` for log pipelines.
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+        /// Starts with a config that a newer one replaced, on purpose (a
+        /// rollback). Without it such a config is refused: it is what a
+        /// process of an older deploy would bring back.
+        #[arg(long)]
+        roll_back: bool,
     },
     /// Operator actions on the capture stream: its status, and the stream reset.
     Stream {
@@ -248,6 +253,7 @@ fn main() -> ExitCode {
             data_dir,
             metrics_listen,
             log_format,
+            roll_back,
         } => {
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "info".into());
@@ -264,7 +270,13 @@ fn main() -> ExitCode {
                 .enable_all()
                 .build()
             {
-                Ok(rt) => rt.block_on(serve(&config, listeners, database_url, &data_dir)),
+                Ok(rt) => rt.block_on(serve(
+                    &config,
+                    listeners,
+                    database_url,
+                    &data_dir,
+                    roll_back,
+                )),
                 Err(e) => Err(format!("cannot start the runtime: {e}")),
             }
         }
@@ -487,8 +499,17 @@ fn print_status(r: &StreamReport) {
     if r.rematerializing.is_empty() {
         println!("rematerializing: nothing");
     }
-    for (relation, rows) in &r.rematerializing {
-        println!("rematerializing: {relation}, {rows} rows re-read so far");
+    for m in &r.rematerializing {
+        match m.estimated_rows {
+            Some(of) => println!(
+                "rematerializing: {}, {} rows re-read so far of about {of}",
+                m.relation, m.rows
+            ),
+            None => println!(
+                "rematerializing: {}, {} rows re-read so far",
+                m.relation, m.rows
+            ),
+        }
     }
     println!("rebuild sessions: {}", r.rebuild_sessions);
 }
@@ -515,7 +536,11 @@ fn status_json(r: &StreamReport) -> serde_json::Value {
         },
         "retention_floor": position_text(r.floor),
         "rematerializing": r.rematerializing.iter()
-            .map(|(relation, rows)| serde_json::json!({"relation": relation, "rows_reread": rows}))
+            .map(|m| serde_json::json!({
+                "relation": m.relation,
+                "rows_reread": m.rows,
+                "estimated_rows": m.estimated_rows,
+            }))
             .collect::<Vec<_>>(),
         "rebuild_sessions": r.rebuild_sessions,
     })
@@ -849,8 +874,10 @@ async fn serve(
     listen: Listeners,
     database_url: Option<String>,
     data_dir: &Path,
+    roll_back: bool,
 ) -> Result<(), String> {
-    let config = load_config(config_path)?;
+    let mut config = load_config(config_path)?;
+    config.roll_back = roll_back;
     // The embedded cluster lives as long as this function; dropping it stops
     // PostgreSQL, also one a crashed process left running (taken over).
     let (mut cluster, options, password) = open_database(database_url, data_dir).await?;

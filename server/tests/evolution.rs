@@ -9,7 +9,8 @@
 //! template, a `via` rule added and the `via` rules removed, the shared
 //! scopes changed, a field retyped (with its column), a removed field and
 //! a removed table. One rematerialization is
-//! killed (`SIGKILL`) halfway, and the next process resumes it.
+//! killed (`SIGKILL`) halfway, and the next process resumes it. A
+//! process of an older deploy that restarts is refused.
 #![cfg(not(madsim))]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
 
@@ -378,14 +379,19 @@ async fn every_change_keeps_every_client_reading() {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             drop(server); // SIGKILL
+            // Statistics, so the report can say how much is left.
+            sqlx::query("ANALYZE public.notes")
+                .execute(&pool)
+                .await
+                .unwrap();
             let status = Command::new(env!("CARGO_BIN_EXE_synchro"))
                 .args(["stream", "status", "--database-url", &url])
                 .output()
                 .unwrap();
             let out = String::from_utf8_lossy(&status.stdout);
             assert!(
-                out.contains("rematerializing: public.notes, "),
-                "the operator sees what is owed: {out}"
+                out.contains("rematerializing: public.notes, ") && out.contains(" of about "),
+                "the operator sees what is owed, and of how much: {out}"
             );
             server = Server::start(dir.path(), &url).await;
         }
@@ -425,4 +431,67 @@ async fn every_change_keeps_every_client_reading() {
         old = Some(devices.remove(0));
         server.stop();
     }
+}
+
+/// A process of an older deploy, restarted after a newer config started,
+/// is refused with the way out in its message (ADR 0020 §8), and
+/// `--roll-back` returns to that config on purpose.
+#[tokio::test]
+async fn a_replaced_config_is_refused_unless_rolled_back() {
+    let cluster = PgCluster::temp().unwrap();
+    let (dir, url, _pool) = common::upstream_setup(&cluster, "replaced").await;
+    let config = dir.path().join("config.toml");
+    let older = std::fs::read_to_string(&config).unwrap();
+    let newer = older.replace("team:{team_id}", "group:{team_id}");
+    let serve = |roll_back: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_synchro"));
+        c.args(["serve", "--listen", "127.0.0.1:0", "--database-url", &url])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"));
+        if roll_back {
+            c.arg("--roll-back");
+        }
+        c
+    };
+    let started = |mut c: Command| {
+        let mut child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+        assert!(
+            lines.any(|l| l.unwrap().starts_with("synchro: listening on ")),
+            "the server started"
+        );
+        Command::new("kill")
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(child.wait().unwrap().success());
+    };
+    started(serve(false));
+    std::fs::write(&config, &newer).unwrap();
+    started(serve(false));
+    // The older deploy's process comes back: refused, nothing changed.
+    std::fs::write(&config, &older).unwrap();
+    let refused = serve(false).output().unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("replaced by a newer one") && stderr.contains("--roll-back"),
+        "{stderr}"
+    );
+    std::fs::write(&config, &newer).unwrap();
+    started(serve(false));
+    // On purpose: the older config becomes the newest, and the one it
+    // replaced is refused in turn.
+    std::fs::write(&config, &older).unwrap();
+    started(serve(true));
+    started(serve(false));
+    std::fs::write(&config, &newer).unwrap();
+    assert!(!serve(false).output().unwrap().status.success());
 }

@@ -54,6 +54,9 @@ pub struct EvolutionScenario {
     /// A planted client bug: devices keep the rows of a scope the server
     /// removes (the `team:` scopes the new config replaces).
     pub devices_keep_removed_rows: bool,
+    /// A planted bug: the store forgets the configs processes started
+    /// with, so the old deploy's process, restarting, brings its config back.
+    pub forgets_applied_configs: bool,
 }
 
 impl Default for EvolutionScenario {
@@ -65,6 +68,7 @@ impl Default for EvolutionScenario {
             devices: true,
             skipped: None,
             devices_keep_removed_rows: false,
+            forgets_applied_configs: false,
         }
     }
 }
@@ -88,6 +92,9 @@ pub struct EvolutionTrace {
     pub devices: Vec<DeviceEnd>,
     /// A device's error that no fault explains.
     pub device_errors: Vec<String>,
+    /// How the old deploy's process fared when it restarted after the
+    /// deploy: `Some(true)` refused, `Some(false)` started.
+    pub replaced_refused: Option<bool>,
 }
 
 /// The teams each user is a member of (`public.team_members`): their
@@ -233,6 +240,42 @@ async fn writer(
             }
         }
         tx.commit().await.unwrap();
+    }
+}
+
+/// A process of the old deploy restarts after the new config started (a
+/// rolling deploy's laggard): tries to start the engine under the old
+/// config until it gets an answer. Refused, it exits; started (a bug), it
+/// keeps running, as such a process would.
+async fn old_deploy_restarts(store: MemStore, refused: Arc<Mutex<Option<bool>>>) {
+    // Once the new config is applied (its manifest stored), and a while after.
+    loop {
+        let applied = match store.begin().await {
+            Ok(mut tx) => tx.manifests().await.map_or(0, |m| m.len()),
+            Err(_) => 0,
+        };
+        if applied > 1 {
+            break;
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+    sleep(Duration::from_millis(thread_rng().gen_range(200..1_000))).await;
+    let incarnation: u32 = thread_rng().r#gen();
+    loop {
+        let store = crate::remote::RemoteStore::new(incarnation as u64, None);
+        match actors::Engine::start(store, config_before()).await {
+            Err(actors::registry::RegistryError::Replaced { .. }) => {
+                *refused.lock().unwrap() = Some(true);
+                return;
+            }
+            // The database did not answer in time: the process restarts.
+            Err(_) => sleep(Duration::from_millis(100)).await,
+            Ok(engine) => {
+                *refused.lock().unwrap() = Some(false);
+                let _running = engine;
+                std::future::pending::<()>().await;
+            }
+        }
     }
 }
 
@@ -414,6 +457,9 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         Some(SkippedRelation::Notes) => store.plant_reread_skipping("public.notes").await,
         None => {}
     }
+    if scenario.forgets_applied_configs {
+        store.plant_forgets_applied_configs().await;
+    }
     let config = Arc::new(Mutex::new(config_before()));
     let teams = config_before().assignment.dependency[0].clone();
     for (user, member_of) in MEMBERSHIPS {
@@ -497,94 +543,112 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     Handle::current().kill("server");
     Handle::current().restart("server");
     switched.store(true, Ordering::Relaxed);
-    for w in writers {
-        w.await.map_err(|e| format!("writer failed: {e}"))?;
-    }
-    crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
-    stop.store(true, Ordering::Relaxed);
-    let mut ended = Vec::new();
-    for (user, t) in devices {
-        ended.push((user, t.await.map_err(|e| format!("device failed: {e}"))?));
-    }
-    settled(&store, store.last_commit_lsn().await).await?;
-    // Quiescence: the link heals and every device syncs to the end.
-    NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
-    let mut trace = EvolutionTrace {
-        crashes: crashes.load(Ordering::Relaxed),
-        ..EvolutionTrace::default()
-    };
-    for (user, (mut device, mut mismatched)) in ended {
-        settle_device(&mut device, &mut mismatched, &errors).await;
-        trace.devices.push(device_end(&device, user, mismatched)?);
-    }
-    trace.device_errors = errors.lock().unwrap().clone();
-    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
-    trace.reread_rows = tx
-        .rematerializations()
-        .await
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|r| r.rows)
-        .sum();
-    trace.expected = invariants::evolution::expected_after(
-        &tx.source_rows("public.notes"),
-        &tx.source_rows("public.note_shares"),
-        &tx.source_rows("public.templates"),
-    );
-    let manifest = tx.manifests().await.map_err(|e| e.to_string())?;
-    let manifest = manifest.last().ok_or("no manifest")?;
-    let through = tx
-        .capture_progress()
-        .await
-        .map_err(|e| e.to_string())?
-        .boundary;
-    let mut scopes: BTreeSet<String> = trace.expected.keys().cloned().collect();
-    scopes.extend(USERS.iter().map(|u| format!("user:{u}")));
-    for t in TEAMS {
-        scopes.extend([format!("team:{t}"), format!("group:{t}")]);
-    }
-    scopes.insert("templates_public".into());
-    for s in &scopes {
-        let scope = ScopeId::parse(s).ok_or("scope")?;
-        let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
-        let mut held: BTreeMap<String, Value> = BTreeMap::new();
-        for e in &effects {
-            let key = match &e.key {
-                Value::String(k) => k.clone(),
-                other => json::to_canonical_string(other),
-            };
-            match &e.op {
-                EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
-                    let row = json::parse(r.row.as_bytes()).map_err(|_| "a row is not JSON")?;
-                    held.insert(key, row);
-                }
-                EffectOp::Remove(_) => {
-                    held.remove(&key);
+    let replaced = Arc::new(Mutex::new(None));
+    handle
+        .create_node()
+        .name("old-server")
+        .ip("10.0.0.3".parse().expect("ip"))
+        .build()
+        .spawn(old_deploy_restarts(store.clone(), replaced.clone()));
+    let outcome = async {
+        for w in writers {
+            w.await.map_err(|e| format!("writer failed: {e}"))?;
+        }
+        crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
+        stop.store(true, Ordering::Relaxed);
+        let mut ended = Vec::new();
+        for (user, t) in devices {
+            ended.push((user, t.await.map_err(|e| format!("device failed: {e}"))?));
+        }
+        settled(&store, store.last_commit_lsn().await).await?;
+        // Quiescence: the link heals and every device syncs to the end.
+        NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
+        let mut trace = EvolutionTrace {
+            crashes: crashes.load(Ordering::Relaxed),
+            replaced_refused: *replaced.lock().unwrap(),
+            ..EvolutionTrace::default()
+        };
+        for (user, (mut device, mut mismatched)) in ended {
+            settle_device(&mut device, &mut mismatched, &errors).await;
+            trace.devices.push(device_end(&device, user, mismatched)?);
+        }
+        trace.device_errors = errors.lock().unwrap().clone();
+        let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+        trace.reread_rows = tx
+            .rematerializations()
+            .await
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|r| r.rows)
+            .sum();
+        trace.expected = invariants::evolution::expected_after(
+            &tx.source_rows("public.notes"),
+            &tx.source_rows("public.note_shares"),
+            &tx.source_rows("public.templates"),
+        );
+        let manifest = tx.manifests().await.map_err(|e| e.to_string())?;
+        let manifest = manifest.last().ok_or("no manifest")?;
+        let through = tx
+            .capture_progress()
+            .await
+            .map_err(|e| e.to_string())?
+            .boundary;
+        let mut scopes: BTreeSet<String> = trace.expected.keys().cloned().collect();
+        scopes.extend(USERS.iter().map(|u| format!("user:{u}")));
+        for t in TEAMS {
+            scopes.extend([format!("team:{t}"), format!("group:{t}")]);
+        }
+        scopes.insert("templates_public".into());
+        for s in &scopes {
+            let scope = ScopeId::parse(s).ok_or("scope")?;
+            let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
+            let mut held: BTreeMap<String, Value> = BTreeMap::new();
+            for e in &effects {
+                let key = match &e.key {
+                    Value::String(k) => k.clone(),
+                    other => json::to_canonical_string(other),
+                };
+                match &e.op {
+                    EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
+                        let row = json::parse(r.row.as_bytes()).map_err(|_| "a row is not JSON")?;
+                        held.insert(key, row);
+                    }
+                    EffectOp::Remove(_) => {
+                        held.remove(&key);
+                    }
                 }
             }
-        }
-        // The rows held now must be in the current manifest, their digests
-        // recomputing under it; superseded effects are never served.
-        let last: BTreeMap<_, _> = effects.iter().map(|e| (&e.identity, e)).collect();
-        for e in last.values().filter(|e| e.op.row().is_some()) {
-            match observe(manifest, e) {
-                Ok(o) => trace.effects.push(o),
-                Err(why) => trace.undecodable.push(format!("{s}: {why}")),
+            // The rows held now must be in the current manifest, their digests
+            // recomputing under it; superseded effects are never served.
+            let last: BTreeMap<_, _> = effects.iter().map(|e| (&e.identity, e)).collect();
+            for e in last.values().filter(|e| e.op.row().is_some()) {
+                match observe(manifest, e) {
+                    Ok(o) => trace.effects.push(o),
+                    Err(why) => trace.undecodable.push(format!("{s}: {why}")),
+                }
+            }
+            if !held.is_empty() {
+                trace.held.insert(s.clone(), held);
+            }
+            let rows = tx.scope_members(&scope).await.map_err(|e| e.to_string())?;
+            if !rows.is_empty() || !effects.is_empty() {
+                trace.members.push(ObservedMembers {
+                    scope: s.clone(),
+                    rows: rows
+                        .into_iter()
+                        .map(|(i, d)| (i.as_bytes().to_vec(), d.0))
+                        .collect(),
+                });
             }
         }
-        if !held.is_empty() {
-            trace.held.insert(s.clone(), held);
-        }
-        let rows = tx.scope_members(&scope).await.map_err(|e| e.to_string())?;
-        if !rows.is_empty() || !effects.is_empty() {
-            trace.members.push(ObservedMembers {
-                scope: s.clone(),
-                rows: rows
-                    .into_iter()
-                    .map(|(i, d)| (i.as_bytes().to_vec(), d.0))
-                    .collect(),
-            });
-        }
+        Ok::<EvolutionTrace, String>(trace)
     }
-    Ok(trace)
+    .await;
+    // A run that wedged still says how the old deploy's process fared.
+    outcome.map_err(|e| {
+        match invariants::evolution::check_replaced_refused(*replaced.lock().unwrap()) {
+            Err(v) => format!("{e} (and: {})", v[0]),
+            Ok(()) => e,
+        }
+    })
 }

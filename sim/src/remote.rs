@@ -60,6 +60,8 @@ const IDLE_TIMEOUT: Duration = Duration::from_millis(400);
 enum Op {
     Manifests,
     InsertManifest(Manifest),
+    AppliedConfigs,
+    ApplyConfig(String),
     LockClient(String),
     InsertClient(ClientRecord),
     CountRegistrations(String, i64),
@@ -129,6 +131,7 @@ enum Op {
 #[derive(Clone)]
 enum Answer {
     Manifests(Result<Vec<Manifest>, StoreError>),
+    AppliedConfigs(Result<Vec<String>, StoreError>),
     Unit(Result<(), StoreError>),
     Client(Result<Option<ClientRecord>, StoreError>),
     Inserted(Result<bool, StoreError>),
@@ -431,6 +434,8 @@ async fn transaction(
         let (answer, done) = match op {
             Op::Manifests => (Answer::Manifests(tx.manifests().await), false),
             Op::InsertManifest(m) => (Answer::Unit(tx.insert_manifest(&m).await), false),
+            Op::AppliedConfigs => (Answer::AppliedConfigs(tx.applied_configs().await), false),
+            Op::ApplyConfig(f) => (Answer::Unit(tx.apply_config(&f).await), false),
             Op::LockClient(c) => (Answer::Client(tx.lock_client(&c).await), false),
             Op::InsertClient(c) => (Answer::Inserted(tx.insert_client(&c).await), false),
             Op::CountRegistrations(u, since) => (
@@ -956,6 +961,20 @@ impl StoreTx for RemoteTx {
 
     async fn insert_manifest(&mut self, m: &Manifest) -> Result<(), StoreError> {
         match self.call(Op::InsertManifest(m.clone())).await? {
+            Answer::Unit(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn applied_configs(&mut self) -> Result<Vec<String>, StoreError> {
+        match self.call(Op::AppliedConfigs).await? {
+            Answer::AppliedConfigs(r) => r,
+            _ => Err(mismatch()),
+        }
+    }
+
+    async fn apply_config(&mut self, fingerprint: &str) -> Result<(), StoreError> {
+        match self.call(Op::ApplyConfig(fingerprint.to_owned())).await? {
             Answer::Unit(r) => r,
             _ => Err(mismatch()),
         }

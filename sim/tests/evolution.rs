@@ -1,7 +1,8 @@
 //! The app evolves under faults (ADR 0020): the config changes mid-run
 //! (a field synced over a column with values, a table registered over its
 //! rows, a `via` rule's template) while writers write and the server
-//! crashes over a lossy link. Run with:
+//! crashes over a lossy link; then a process of the old deploy restarts
+//! and must be refused. Run with:
 //! `RUSTFLAGS="--cfg madsim" CARGO_TARGET_DIR=target/sim MADSIM_TEST_SEED=1 MADSIM_TEST_NUM=32 cargo test -p sim --test evolution`
 #![cfg(madsim)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // tests fail loudly
@@ -20,6 +21,7 @@ fn reproduce(test: &str) -> String {
 /// The evolution invariant, the membership index and every device over a
 /// trace.
 fn judged(trace: &EvolutionTrace) -> Result<(), Vec<String>> {
+    invariants::evolution::check_replaced_refused(trace.replaced_refused)?;
     if !trace.undecodable.is_empty() {
         return Err(trace.undecodable.clone());
     }
@@ -131,4 +133,30 @@ async fn a_device_keeping_an_old_scopes_rows_is_caught() {
         judged(&trace).is_err(),
         "a device keeping removed rows went unnoticed\n{reproduce}"
     );
+}
+
+/// A planted bug: the store forgets the configs processes started with,
+/// so the old deploy's process, restarting, brings its config back. The
+/// newer processes then serve nothing and cannot start again (the field
+/// the old config removed cannot return), so the run may wedge; either
+/// way the invariant names the cause.
+#[madsim::test]
+async fn a_replaced_config_that_starts_again_is_caught() {
+    let reproduce = reproduce("a_replaced_config_that_starts_again_is_caught");
+    let scenario = EvolutionScenario {
+        forgets_applied_configs: true,
+        ..EvolutionScenario::default()
+    };
+    let violation = "a process started under a config that a newer one replaced";
+    match run_evolution(scenario).await {
+        Err(e) => assert!(e.contains(violation), "{e}\n{reproduce}"),
+        Ok(trace) => {
+            let judged = judged(&trace);
+            eprintln!("judged {judged:?}");
+            assert!(
+                judged.is_err_and(|v| v.iter().any(|v| v.contains(violation))),
+                "a replaced config that started again went unnoticed\n{reproduce}"
+            );
+        }
+    }
 }

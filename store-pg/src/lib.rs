@@ -275,6 +275,26 @@ impl StoreTx for PgTx {
             .collect()
     }
 
+    async fn applied_configs(&mut self) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar("SELECT fingerprint FROM synchro.applied_configs ORDER BY applied_order")
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)
+    }
+
+    async fn apply_config(&mut self, fingerprint: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO synchro.applied_configs (fingerprint) VALUES ($1) \
+             ON CONFLICT (fingerprint) DO UPDATE \
+             SET applied_order = nextval('synchro.applied_configs_order')",
+        )
+        .bind(fingerprint)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+
     async fn insert_manifest(&mut self, m: &Manifest) -> Result<(), StoreError> {
         let max: Option<i64> =
             sqlx::query_scalar("SELECT max(version) FROM synchro.schema_manifests")
@@ -768,6 +788,17 @@ impl StoreTx for PgTx {
     }
 
     async fn commit(self) -> Result<(), StoreError> {
+        self.tx.commit().await.map_err(db_error)
+    }
+
+    async fn commit_lazily(mut self) -> Result<(), StoreError> {
+        // The commit record is written, not flushed: the commit does not
+        // queue behind another transaction's WAL (a rematerialization
+        // writes a lot of it).
+        sqlx::query("SET LOCAL synchronous_commit = off")
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
         self.tx.commit().await.map_err(db_error)
     }
 }

@@ -31,14 +31,24 @@ pub struct StreamReport {
     /// The blocked transaction's commit LSN (for a broken installation,
     /// the end of durable progress).
     pub quarantine_lsn: Option<u64>,
-    /// Relations still being rematerialized (ADR 0020), with the rows re-read so far.
-    pub rematerializing: Vec<(String, u64)>,
+    /// Relations still being rematerialized (ADR 0020), in the order they are re-read.
+    pub rematerializing: Vec<RematerializingReport>,
     /// The WAL the slot holds back; `None` without a slot.
     pub wal: Option<SlotWal>,
     /// Capture as the leader's last heartbeat reports it.
     pub health: CaptureHealth,
     /// Rebuild sessions neither sealed-and-expired nor swept.
     pub rebuild_sessions: u64,
+}
+
+/// A relation still being rematerialized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RematerializingReport {
+    pub relation: String,
+    /// Rows re-read so far.
+    pub rows: u64,
+    /// The relation's size as the planner estimates it; `None` before its first `ANALYZE`.
+    pub estimated_rows: Option<u64>,
 }
 
 /// What the replication slot holds back, in bytes of WAL behind the
@@ -119,12 +129,22 @@ impl PgStore {
         let stream = tx.stream_state().await?;
         let generation = stream.generation;
         let progress = tx.capture_progress().await?;
-        let rematerializing = (tx.rematerializations().await?.into_iter())
+        let owed: Vec<_> = (tx.rematerializations().await?.into_iter())
             .filter(|r| r.pending)
-            .map(|r| (r.relation, r.rows))
             .collect();
         let health = tx.capture_health().await?;
         drop(tx);
+        let mut rematerializing = Vec::with_capacity(owed.len());
+        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        for r in owed {
+            let estimated_rows = crate::reread::estimated_rows(&mut conn, &r.relation).await?;
+            rematerializing.push(RematerializingReport {
+                estimated_rows: estimated_rows.map(|e| e.max(r.rows)),
+                relation: r.relation,
+                rows: r.rows,
+            });
+        }
+        drop(conn);
         let wal: Option<(i64, i64)> = sqlx::query_as(
             "SELECT (pg_current_wal_lsn() - s.restart_lsn)::bigint, \
                     (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint \

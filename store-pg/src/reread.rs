@@ -77,7 +77,10 @@ pub(crate) async fn read_chunk(
         query = query.bind(cursor);
     }
     let rows = query.fetch_all(&mut *tx).await.map_err(db_error)?;
-    let mut chunk = RereadChunk::default();
+    let mut chunk = RereadChunk {
+        estimated_rows: estimated_rows(&mut tx, &req.relation).await?,
+        ..RereadChunk::default()
+    };
     let mut unversioned: Vec<(String, String)> = Vec::new();
     for r in rows {
         let mut image = SourceImage::new();
@@ -147,6 +150,27 @@ pub(crate) async fn read_chunk(
         .map_err(db_error)?;
     tx.commit().await.map_err(db_error)?;
     Ok(chunk)
+}
+
+/// The relation's size as the planner estimates it: its last statistics'
+/// rows per page times its pages now. `None` before its first `ANALYZE`.
+pub(crate) async fn estimated_rows(
+    conn: &mut PgConnection,
+    relation: &str,
+) -> Result<Option<u64>, StoreError> {
+    let rows: Option<f64> = sqlx::query_scalar(
+        "SELECT CASE WHEN c.reltuples < 0 THEN NULL \
+                     WHEN c.relpages = 0 THEN c.reltuples::float8 \
+                     ELSE c.reltuples / c.relpages \
+                          * (pg_relation_size(c.oid) / current_setting('block_size')::int8) END \
+         FROM pg_class c WHERE c.oid = to_regclass($1)",
+    )
+    .bind(relation)
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(db_error)?
+    .flatten();
+    Ok(rows.map(|r| r.max(0.0).round() as u64))
 }
 
 /// A new opaque version, in the trigger's form (32 hex digits).

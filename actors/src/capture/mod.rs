@@ -242,6 +242,10 @@ pub struct RereadRequest {
 pub struct RereadChunk {
     pub events: Vec<SourceEvent>,
     pub notes: Vec<VersionNote>,
+    /// The relation's size as the store estimates it when the chunk was
+    /// read (PostgreSQL's planner statistics), for the operator's progress
+    /// report only; `None` when the store has no estimate.
+    pub estimated_rows: Option<u64>,
 }
 
 /// Canonical JSON of an image (a dependency row's key, a re-read cursor).

@@ -35,6 +35,13 @@ pub(super) struct Rereading {
 /// How often a long rematerialization logs its progress.
 const REPORT_EVERY: Duration = Duration::from_secs(2);
 
+/// The seconds left at `per_second` for the progress log: `None` without
+/// an estimate of the relation's size or a rate yet.
+fn time_left(rows: u64, estimated: Option<u64>, per_second: f64) -> Option<u64> {
+    let left = estimated?.saturating_sub(rows);
+    (per_second >= 1.0).then(|| (left as f64 / per_second).ceil() as u64)
+}
+
 struct InFlight {
     watermark: String,
     chunk: RereadChunk,
@@ -135,6 +142,7 @@ impl Rereading {
 
     /// The filled chunk's materialization committed with `record`.
     pub fn committed(&mut self, record: &Rematerialization) {
+        let estimated_rows = self.in_flight.as_ref().and_then(|f| f.chunk.estimated_rows);
         assert!(
             self.owed
                 .front()
@@ -158,13 +166,31 @@ impl Rereading {
         } else if at.elapsed() >= REPORT_EVERY {
             let per_second =
                 record.rows.saturating_sub(rows_then) as f64 / at.elapsed().as_secs_f64();
+            // An estimate below what was read already is stale statistics.
+            let estimated = estimated_rows.map(|e| e.max(record.rows));
             tracing::info!(
                 relation = %record.relation,
                 rows = record.rows,
+                estimated_rows = estimated,
                 rows_per_second = per_second as u64,
+                seconds_left = time_left(record.rows, estimated, per_second),
                 "capture: rematerializing"
             );
             self.reported = (Instant::now(), record.rows);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::time_left;
+
+    #[test]
+    fn time_left_needs_an_estimate_and_a_rate() {
+        assert_eq!(time_left(1_000, Some(11_000), 500.0), Some(20));
+        assert_eq!(time_left(1_000, Some(1_001), 3.0), Some(1));
+        assert_eq!(time_left(5_000, Some(4_000), 500.0), Some(0));
+        assert_eq!(time_left(1_000, None, 500.0), None);
+        assert_eq!(time_left(1_000, Some(11_000), 0.0), None);
     }
 }

@@ -109,29 +109,46 @@ pub(crate) async fn materialize_group<T: StoreTx>(
     group: &[SourceTransaction],
 ) -> Result<GroupOutcome, StoreError> {
     let mut state = prefetch(tx, model, group).await?;
-    let mut combined: Option<Materialization> = None;
-    let mut digester = RowDigester::default();
-    for source in group {
-        state.undo.clear();
-        match materialize(&mut state, model, source, &mut digester) {
-            Ok(m) => match combined.as_mut() {
-                None => combined = Some(m),
-                Some(c) => absorb(c, m),
-            },
-            Err(problem) => {
-                // The blocked transaction leaves nothing behind.
-                state.roll_back();
-                return Ok(GroupOutcome {
-                    combined: combined.map(|c| finish(c, &state)),
-                    problem: Some((source.commit_lsn, problem)),
-                });
+    Ok(off_the_workers(|| {
+        let mut combined: Option<Materialization> = None;
+        let mut digester = RowDigester::default();
+        for source in group {
+            state.undo.clear();
+            match materialize(&mut state, model, source, &mut digester) {
+                Ok(m) => match combined.as_mut() {
+                    None => combined = Some(m),
+                    Some(c) => absorb(c, m),
+                },
+                Err(problem) => {
+                    // The blocked transaction leaves nothing behind.
+                    state.roll_back();
+                    return GroupOutcome {
+                        combined: combined.map(|c| finish(c, &state)),
+                        problem: Some((source.commit_lsn, problem)),
+                    };
+                }
             }
         }
+        GroupOutcome {
+            combined: combined.map(|c| finish(c, &state)),
+            problem: None,
+        }
+    }))
+}
+
+/// Runs CPU-bound work (a group's projections and digests: tens of
+/// milliseconds for a re-read chunk) without holding a worker of a
+/// multi-threaded runtime, whose other tasks (requests) would otherwise
+/// wait behind it. The simulator's runtime has one thread: there it runs
+/// in place.
+fn off_the_workers<R>(work: impl FnOnce() -> R) -> R {
+    #[cfg(not(madsim))]
+    if tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+    {
+        return tokio::task::block_in_place(work);
     }
-    Ok(GroupOutcome {
-        combined: combined.map(|c| finish(c, &state)),
-        problem: None,
-    })
+    work()
 }
 
 /// Reads, in a few set-based statements, every prior state the group can touch.

@@ -161,8 +161,12 @@ impl<S: Store> Puller<S> {
         let first_presented = attempt::present_generation(&mut client);
         if changed || first_presented {
             tx.put_client(&client).await?;
+            tx.commit().await?;
+        } else {
+            // Checkpoints alone: a crash that undoes them leaves a client
+            // held back further, never a floor that passed a cursor.
+            tx.commit_lazily().await?;
         }
-        tx.commit().await?;
         Ok(PullResponse {
             changes,
             scope_set_version: client.scope_set_version,

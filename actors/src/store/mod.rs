@@ -141,6 +141,17 @@ pub trait StoreTx: Send {
         m: &Manifest,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The fingerprints of the configs processes started with, each once,
+    /// from the one replaced longest ago to the newest (ADR 0020 §8).
+    fn applied_configs(&mut self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+
+    /// Records that a process starts with the config of `fingerprint`: it
+    /// becomes the newest, moved there if it was applied before.
+    fn apply_config(
+        &mut self,
+        fingerprint: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Reads and locks the client with this ID (under any user) until commit.
     fn lock_client(
         &mut self,
@@ -577,4 +588,17 @@ pub trait StoreTx: Send {
 
     /// Makes every write of the transaction durable.
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Commits without waiting for the commit to be durable (ADR 0026):
+    /// for a transaction whose writes a crash may undo harmlessly, such as
+    /// checkpoints, which only move forward and are read conservatively.
+    /// Its writes are visible at once, and durable no later than the next
+    /// durable commit of any transaction. A store that never loses a commit
+    /// commits as [`StoreTx::commit`] does.
+    fn commit_lazily(self) -> impl Future<Output = Result<(), StoreError>> + Send
+    where
+        Self: Sized,
+    {
+        self.commit()
+    }
 }

@@ -229,6 +229,70 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
     fresh.sync(10).await;
     assert_eq!(fresh.replica.scopes["user:ev-alice"].rows.len(), 2);
     assert!(fresh.replica.scopes["templates_public"].rows.is_empty());
+    drop(last);
+
+    // A process of an older deploy, restarted, is refused and writes
+    // nothing (ADR 0020 §8); the operator's roll-back returns to a config
+    // on purpose, and the newest start wins again after it.
+    let mut regrouped = config_after();
+    regrouped.tables.retain(|t| t.table_id != "tbl_templates");
+    let removed = regrouped.clone();
+    for t in &mut regrouped.tables {
+        for rule in &mut t.scopes {
+            if let crate::config::MembershipRule::Dependency { template, .. } = rule {
+                *template = template.replace("group:", "team:");
+            }
+        }
+    }
+    drop(
+        Engine::start(store.clone(), regrouped.clone())
+            .await
+            .unwrap(),
+    );
+    let stored = stored_config(&store).await;
+    assert_replaced(Engine::start(store.clone(), removed.clone()).await, 1);
+    assert_replaced(Engine::start(store.clone(), config_after()).await, 2);
+    assert_eq!(
+        stored_config(&store).await,
+        stored,
+        "a refused start writes nothing"
+    );
+    let mut rolled_back = removed.clone();
+    rolled_back.roll_back = true;
+    drop(Engine::start(store.clone(), rolled_back).await.unwrap());
+    assert_ne!(
+        stored_config(&store).await,
+        stored,
+        "the roll-back's rules are the newest"
+    );
+    drop(Engine::start(store.clone(), removed).await.unwrap());
+    assert_replaced(Engine::start(store.clone(), regrouped).await, 1);
+}
+
+/// What the store holds of the configs processes started with.
+async fn stored_config<S: Store>(store: &S) -> (Vec<String>, usize, usize) {
+    let mut tx = store.begin().await.unwrap();
+    (
+        tx.applied_configs().await.unwrap(),
+        tx.manifests().await.unwrap().len(),
+        tx.membership_rules().await.unwrap().len(),
+    )
+}
+
+fn assert_replaced(start: Result<Engine, crate::registry::RegistryError>, newer: usize) {
+    match start {
+        Err(e @ crate::registry::RegistryError::Replaced { .. }) => {
+            assert!(
+                e.to_string().contains("--roll-back"),
+                "the refusal says the way out: {e}"
+            );
+            assert!(
+                matches!(e, crate::registry::RegistryError::Replaced { newer: n } if n == newer)
+            );
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a replaced config started"),
+    }
 }
 
 fn e_is_note(key: &str) -> bool {

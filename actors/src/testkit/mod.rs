@@ -692,8 +692,11 @@ async fn assignment_changes_step_the_version_by_one<F: HarnessFactory>(f: &F) {
     assert_eq!(member(&last, &["scope_set_version"]), &Value::int(6));
     assert_eq!(removed(&last), ["templates_public"]);
     step(&last, &mut known);
-    // And added back: one more step.
-    h.restart(&example_config(|s| s)).await;
+    // And added back, on purpose (the config it returns to was replaced:
+    // ADR 0020 §8): one more step.
+    let mut back = example_config(|s| s);
+    back.roll_back = true;
+    h.restart(&back).await;
     last = ok(&mut h, "alice", &known).await;
     assert_eq!(member(&last, &["scope_set_version"]), &Value::int(7));
     assert_eq!(added(&last), ["templates_public"]);

@@ -1288,6 +1288,18 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     assert!(tx.checkpoints("c2").await.unwrap().is_empty());
     assert!(tx.pending_fences("c1", 8).await.unwrap().is_empty());
     drop(tx);
+    // A lazy commit (ADR 0026) is a commit: its writes are seen at once.
+    let mut tx = store.begin().await.unwrap();
+    tx.put_checkpoints("c1", &[(s2.clone(), cp(at(7, 0, 1)))])
+        .await
+        .unwrap();
+    tx.commit_lazily().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        tx.checkpoints("c1").await.unwrap().get(&s2),
+        Some(&cp(at(7, 0, 1)))
+    );
+    drop(tx);
 
     // Candidates: each row's last effect through the boundary, in order.
     let identity = |k: i32| RowIdentity::new("t", "id", &TypedValue::Int(k));

@@ -1110,7 +1110,10 @@ impl ChangeFeed for MemFeed {
                 .map(|(k, image)| (rel.identity(k), image.clone()))
                 .collect(),
         };
-        let mut chunk = RereadChunk::default();
+        let mut chunk = RereadChunk {
+            estimated_rows: Some(rel.rows.len() as u64),
+            ..RereadChunk::default()
+        };
         for (identity, image) in rows {
             if let Some((table_id, pk)) = &req.registered {
                 let key = image.get(pk).cloned().flatten().ok_or_else(|| {

@@ -35,6 +35,10 @@ pub use rebuild::LiveSession;
 #[derive(Clone, Debug)]
 struct State {
     manifests: Vec<Manifest>,
+    /// Config fingerprints, oldest applied first.
+    applied_configs: Vec<String>,
+    /// A planted bug: the applied configs are never read back.
+    forgets_applied_configs: bool,
     clients: BTreeMap<String, ClientRecord>,
     grants: BTreeSet<(String, String)>,
     /// (relation, user_column, value_column) -> rows of (user, value).
@@ -87,6 +91,8 @@ impl MemStore {
         MemStore {
             state: Arc::new(Mutex::new(State {
                 manifests: Vec::new(),
+                applied_configs: Vec::new(),
+                forgets_applied_configs: false,
                 clients: BTreeMap::new(),
                 grants: BTreeSet::new(),
                 dependencies: BTreeMap::new(),
@@ -291,6 +297,12 @@ impl MemStore {
         self.state.lock().await.rotation_forgets_keys = true;
     }
 
+    /// Plants a bug: the configs processes started with are never read
+    /// back, so a process of an older deploy brings its config back.
+    pub async fn plant_forgets_applied_configs(&self) {
+        self.state.lock().await.forgets_applied_configs = true;
+    }
+
     /// Plants a bug: no client's fence is ever seen pending, so a pull or
     /// rebuild right after a push may serve state older than the push.
     pub async fn plant_unseen_fences(&self) {
@@ -417,6 +429,20 @@ impl Store for MemStore {
 impl StoreTx for MemTx {
     async fn manifests(&mut self) -> Result<Vec<Manifest>, StoreError> {
         Ok(self.work.manifests.clone())
+    }
+
+    async fn applied_configs(&mut self) -> Result<Vec<String>, StoreError> {
+        if self.work.forgets_applied_configs {
+            return Ok(Vec::new());
+        }
+        Ok(self.work.applied_configs.clone())
+    }
+
+    async fn apply_config(&mut self, fingerprint: &str) -> Result<(), StoreError> {
+        let applied = &mut self.work.applied_configs;
+        applied.retain(|f| f != fingerprint);
+        applied.push(fingerprint.to_owned());
+        Ok(())
     }
 
     async fn insert_manifest(&mut self, m: &Manifest) -> Result<(), StoreError> {
