@@ -7,8 +7,8 @@
 //! must: an added nullable field over a column with values, a table
 //! registered over its rows, an added required field, a changed `via`
 //! template, a `via` rule added and the `via` rules removed, the shared
-//! scopes changed, a field retyped (with its column), a removed field and
-//! a removed table. One rematerialization is
+//! scopes changed, a field retyped (with its column), a removed field, a
+//! removed table and a field's column renamed. One rematerialization is
 //! killed (`SIGKILL`) halfway, and the next process resumes it. A
 //! process of an older deploy that restarts is refused.
 #![cfg(not(madsim))]
@@ -87,6 +87,11 @@ fn steps() -> Vec<Step> {
     );
     let no_body = retyped.replace(&body, "");
     let no_templates = cut_templates(&no_body);
+    let renamed = no_templates.replace(
+        "column = \"pinned\", type = \"int\"",
+        "column = \"starred\", type = \"int\"",
+    );
+    assert_ne!(renamed, no_templates, "the rename applies");
     let step = |what, config: &String, ddl, shared, templates| Step {
         what,
         config: config.clone(),
@@ -126,6 +131,13 @@ fn steps() -> Vec<Step> {
         ),
         step("a field removed", &no_body, "", false, false),
         step("a table removed", &no_templates, "", false, false),
+        step(
+            "a field's column renamed",
+            &renamed,
+            "ALTER TABLE public.notes RENAME COLUMN pinned TO starred",
+            false,
+            false,
+        ),
     ]
 }
 
@@ -467,11 +479,9 @@ async fn a_replaced_config_is_refused_unless_rolled_back() {
             lines.any(|l| l.unwrap().starts_with("synchro: listening on ")),
             "the server started"
         );
-        Command::new("kill")
-            .arg(child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(child.wait().unwrap().success());
+        // Its config was applied before it listened.
+        child.kill().unwrap();
+        child.wait().unwrap();
     };
     started(serve(false));
     std::fs::write(&config, &newer).unwrap();
