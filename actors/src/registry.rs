@@ -179,14 +179,13 @@ pub fn config_fingerprint(config: &SyncConfig) -> Result<String, RegistryError> 
         .map(|(relation, model)| (relation, Value::string(model)));
     let a = &config.assignment;
     let text = |s: &str| Value::string(s);
-    let dependencies = a.dependency.iter().map(|d| {
-        Value::Array(vec![
-            text(&d.relation),
-            text(&d.user_column),
-            text(&d.value_column),
-            text(&d.scope),
-        ])
-    });
+    // Order in the file is not meaning: both lists are compared as sets.
+    let dependencies: BTreeSet<[&str; 4]> = (a.dependency.iter())
+        .map(|d| [&*d.relation, &*d.user_column, &*d.value_column, &*d.scope])
+        .collect();
+    let dependencies = dependencies
+        .into_iter()
+        .map(|d| Value::Array(d.into_iter().map(text).collect()));
     let shared: BTreeSet<&String> = a.shared.iter().collect();
     let assignment = json::object([
         ("user_scope", text(&a.user_scope)),

@@ -156,3 +156,45 @@ async fn ids_are_never_reused_across_versions() {
         "{back}"
     );
 }
+
+/// A config's fingerprint (ADR 0020 §8) is what it means: the order of
+/// tables and lists in the file, the server's knobs and the roll-back flag
+/// are not part of it; a rule, a field or the assignment is.
+#[test]
+fn a_config_fingerprint_is_its_meaning() {
+    use actors::registry::config_fingerprint;
+    use actors::testkit::example_config;
+    let two_shared = |first: &'static str, second: &'static str| {
+        example_config(move |s| {
+            s.replace(
+                r#"shared = ["templates_public"]"#,
+                &format!(r#"shared = ["{first}", "{second}"]"#),
+            )
+        })
+    };
+    let base = config_fingerprint(&two_shared("templates_public", "news")).unwrap();
+    let mut reordered = two_shared("news", "templates_public");
+    reordered.tables.reverse();
+    reordered.roll_back = true;
+    reordered.capture.rematerialize_chunk_rows = 7;
+    assert_eq!(config_fingerprint(&reordered).unwrap(), base);
+    let mut changed = two_shared("templates_public", "news");
+    changed.assignment.shared.pop();
+    assert_ne!(config_fingerprint(&changed).unwrap(), base);
+    let regrouped = example_config(|s| {
+        s.replace(
+            r#"shared = ["templates_public"]"#,
+            r#"shared = ["templates_public", "news"]"#,
+        )
+        .replace("team:{team_id}", "group:{team_id}")
+    });
+    assert_ne!(config_fingerprint(&regrouped).unwrap(), base);
+    let without_body = example_config(|s| {
+        s.replace(r#"shared = ["templates_public"]"#, r#"shared = ["templates_public", "news"]"#)
+            .replace(
+                "  { field_id = \"fld_notes_body\", column = \"body\", type = \"string\", nullable = true, writable = true },\n",
+                "",
+            )
+    });
+    assert_ne!(config_fingerprint(&without_body).unwrap(), base);
+}
