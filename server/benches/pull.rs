@@ -27,7 +27,7 @@ use actors::testkit::push_config;
 use protocol::json;
 use protocol::position::Boundary;
 use server::adapter::{AppState, router};
-use server::auth::{Authenticator, dev_token, hs256_secret};
+use server::auth::{Authenticator, hs256_secret};
 use sqlx::Row;
 use store_pg::PgStore;
 use store_pg::cluster::PgCluster;
@@ -136,6 +136,9 @@ async fn main() {
     );
     let mut config = push_config();
     config.limits = actors::testkit::benchmark_limits();
+    // The floor stays at the stream's start: the catch-up pulls from there,
+    // and no compaction pass during the bench may make that cursor stale.
+    config.retention.compact_interval_seconds = 86_400;
     let engine = Engine::start(store.clone(), config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -396,14 +399,7 @@ async fn rebuild_bench(
 ) {
     let rows = env_or("SYNCHRO_BENCH_REBUILD", REBUILD_ROWS);
     insert_many(store, "rebuild", 5_000_000, rows).await;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let bearer = format!(
-        "Bearer {}",
-        dev_token(secret, "rebuild", now, &Default::default()).unwrap()
-    );
+    let bearer = pulling::bearer(secret, "rebuild");
     let mut http = Http::open(addr, bearer).await;
     let connect =
         json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuild-client").to_json());
@@ -474,10 +470,7 @@ async fn rebuild_bench(
     let big = env_or("SYNCHRO_BENCH_STAGE_ROWS", STAGE_ROWS);
     insert_many(store, "rebuildbig", 10_000_000, big).await;
     let server = Served::start(database_url, secret_file).await;
-    let bearer = format!(
-        "Bearer {}",
-        dev_token(secret, "rebuildbig", now, &Default::default()).unwrap()
-    );
+    let bearer = pulling::bearer(secret, "rebuildbig");
     let mut http = Http::open(server.addr, bearer).await;
     let connect =
         json::to_canonical(&actors::testkit::ConnectBody::fresh("rebuildbig-client").to_json());

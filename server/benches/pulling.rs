@@ -26,6 +26,18 @@ pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// An `Authorization` value for `user`: an HS256 token signed now.
+pub fn bearer(secret: &[u8], user: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    format!(
+        "Bearer {}",
+        dev_token(secret, user, now, &Default::default()).unwrap()
+    )
+}
+
 /// One keep-alive HTTP connection as one user.
 pub struct Http {
     sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
@@ -70,15 +82,7 @@ pub struct Client {
 
 impl Client {
     pub async fn connect(store: &PgStore, addr: SocketAddr, secret: &[u8], user: &str) -> Client {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        let bearer = format!(
-            "Bearer {}",
-            dev_token(secret, user, now, &Default::default()).unwrap()
-        );
-        let mut http = Http::open(addr, bearer).await;
+        let mut http = Http::open(addr, bearer(secret, user)).await;
         let client_id = format!("{user}-client");
         let body = json::to_canonical(&actors::testkit::ConnectBody::fresh(&client_id).to_json());
         let (status, body) = http.post("/sync/connect", body).await;
