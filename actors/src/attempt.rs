@@ -12,7 +12,7 @@ use protocol::manifest::{Manifest, SchemaRef};
 use crate::capture::CaptureProgress;
 use crate::registry::{Registry, store_error};
 use crate::reply::Reply;
-use crate::store::{ClientRecord, Store, StoreError, StoreTx};
+use crate::store::{ClientRecord, RequestFrame, Store, StoreError, StoreTx};
 use crate::visibility::{MAX_WAITED_FENCES, Visibility};
 
 /// How often an attempt whose snapshot lost a write conflict runs again
@@ -106,30 +106,44 @@ where
     Ok(Reply::error(&store_error(e)))
 }
 
-/// Step 1: the client `client_id` names, locked, when it is bound to
-/// `user_id`; `None` when the body names none (structure decides).
-pub async fn bind<T: StoreTx>(
+/// The request's first read, its frame: it fixes the boundary B (the
+/// snapshot holds exactly the state materialized through it) and reads
+/// the named client with what the later steps need of it.
+pub async fn frame<T: StoreTx + Send>(
     tx: &mut T,
+    named: Option<&str>,
+) -> Result<RequestFrame, StoreError> {
+    tx.request_frame(named, MAX_WAITED_FENCES).await
+}
+
+/// Step 1: the client the body names, as the request's frame found it
+/// (locked), when it is bound to `user_id`; `None` when the body names
+/// none (structure decides).
+pub fn bind(
     user_id: &str,
-    client_id: Option<&str>,
+    named: Option<&str>,
+    found: Option<ClientRecord>,
 ) -> Result<Option<ClientRecord>, Failure> {
-    let Some(client_id) = client_id else {
+    if named.is_none() {
         return Ok(None);
-    };
-    match tx.lock_client(client_id).await? {
-        Some(c) if c.user_id == user_id => Ok(Some(c)),
+    }
+    match found {
+        Some(c) if c.user_id == user_id => {
+            assert!(
+                named == Some(c.client_id.as_str()),
+                "the frame's client is the named one"
+            );
+            Ok(Some(c))
+        }
         _ => Err(ProtocolError::new(ErrorKind::AuthRequired).into()),
     }
 }
 
 /// Step 9's gates: capture must be running (`capture_blocked` otherwise)
-/// and must have materialized every write accepted from `client_id`
-/// (`Failure::Pending` otherwise: waited for, then `capture_pending`).
-pub async fn capture_gates<T: StoreTx>(
-    tx: &mut T,
-    progress: &CaptureProgress,
-    client_id: &str,
-) -> Result<(), Failure> {
+/// and must have materialized every write accepted from the client: its
+/// `pending` fences, as the request's frame read them (`Failure::Pending`
+/// otherwise: waited for, then `capture_pending`).
+pub fn capture_gates(progress: &CaptureProgress, pending: &[u64]) -> Result<(), Failure> {
     // A baseline still owed (a new or reset stream) blocks as a quarantine does.
     if progress.quarantine.is_some() || progress.baseline_owed {
         return Err(ProtocolError::new(ErrorKind::TemporaryUnavailable {
@@ -137,9 +151,8 @@ pub async fn capture_gates<T: StoreTx>(
         })
         .into());
     }
-    let pending = tx.pending_fences(client_id, MAX_WAITED_FENCES).await?;
     if !pending.is_empty() {
-        return Err(Failure::Pending(pending));
+        return Err(Failure::Pending(pending.to_vec()));
     }
     Ok(())
 }

@@ -193,6 +193,11 @@ pub struct CaptureConfig {
     /// Rows in one chunk of a rematerialization (ADR 0020).
     #[serde(default = "default_rematerialize_chunk_rows")]
     pub rematerialize_chunk_rows: usize,
+    /// The share of wall time (percent) a rematerialization may keep
+    /// re-reading; it pauses for the rest, so that pulls beside it keep
+    /// their latency (ADR 0027).
+    #[serde(default = "default_rematerialize_share")]
+    pub rematerialize_share: u32,
 }
 
 impl Default for CaptureConfig {
@@ -206,6 +211,7 @@ impl Default for CaptureConfig {
             max_lag_ms: default_max_lag_ms(),
             max_lag_bytes: default_max_lag_bytes(),
             rematerialize_chunk_rows: default_rematerialize_chunk_rows(),
+            rematerialize_share: default_rematerialize_share(),
         }
     }
 }
@@ -213,6 +219,12 @@ impl Default for CaptureConfig {
 /// Rows re-read under one watermark: their locks are held that long.
 fn default_rematerialize_chunk_rows() -> usize {
     512
+}
+
+/// Full speed: the scopes a rematerialization gates answer 503 until it
+/// ends (ADR 0027 weighs this against the latency of the others).
+fn default_rematerialize_share() -> u32 {
+    100
 }
 
 fn default_max_lag_ms() -> u64 {
@@ -699,6 +711,9 @@ impl SyncConfig {
         if !(1..=10_000).contains(&c.rematerialize_chunk_rows) {
             return err("capture.rematerialize_chunk_rows must be 1..=10000");
         }
+        if !(1..=100).contains(&c.rematerialize_share) {
+            return err("capture.rematerialize_share must be 1..=100");
+        }
         if c.max_heartbeat_age_ms <= c.heartbeat_ms {
             return err("capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms");
         }
@@ -1161,6 +1176,17 @@ mod validation_tests {
             },
             "capture.rematerialize_chunk_rows must be 1..=10000",
         );
+        for share in [0, 101] {
+            rejects(
+                |s| {
+                    s.replace(
+                        "[server]",
+                        &format!("[capture]\nrematerialize_share = {share}\n\n[server]"),
+                    )
+                },
+                "capture.rematerialize_share must be 1..=100",
+            );
+        }
         rejects(
             |s| s.replace("[server]", "[capture]\ngroup_events = 0\n\n[server]"),
             "capture.group_transactions must be 1..=100000 and capture.group_events 1..=1000000",

@@ -155,6 +155,7 @@ impl Engine {
             group_transactions: config.capture.group_transactions,
             group_events: config.capture.group_events,
             rematerialize_chunk_rows: config.capture.rematerialize_chunk_rows,
+            rematerialize_share: config.capture.rematerialize_share,
         };
         let capture_store = store
             .capture_store()

@@ -124,15 +124,16 @@ impl<S: Store> Rebuilder<S> {
         let parsed = protocol::wire::parse_body(body);
         // A new session's id, drawn before the snapshot (entropy is not state).
         let session_id = fresh_session_id(&self.store).await?;
-        let mut tx = self.store.begin_snapshot().await?;
-        // The first read fixes the boundary B a new session stages at.
-        let progress = tx.capture_progress().await?;
-        // 1. Bind client_id to the user.
         let named = parsed
             .as_ref()
             .ok()
             .and_then(protocol::wire::client_id_member);
-        let client = attempt::bind(&mut tx, user_id, named).await?;
+        let mut tx = self.store.begin_snapshot().await?;
+        // The frame fixes the boundary B a new session stages at.
+        let frame = attempt::frame(&mut tx, named).await?;
+        let progress = frame.progress;
+        // 1. Bind client_id to the user.
+        let client = attempt::bind(user_id, named, frame.client)?;
         // 3. Structure, with every limit.
         let req = RebuildRequest::from_value(parsed?)?;
         let Some(mut client) = client else {
@@ -147,7 +148,7 @@ impl<S: Store> Rebuilder<S> {
             client_id: &client.client_id,
             client_generation: client.generation,
             schema_hash: current.hash(),
-            stream: tx.stream_state().await?,
+            stream: frame.stream,
             boundary: progress.boundary,
             now_micros,
         };
@@ -162,7 +163,7 @@ impl<S: Store> Rebuilder<S> {
         // 8. Admission control.
         let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
-        attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
+        attempt::capture_gates(&progress, &frame.pending_fences)?;
         attempt::rematerialization_gate(&self.registry, &progress, std::iter::once(&req.scope))?;
         let (session, ordinal) = match asked {
             Asked::First => {

@@ -18,7 +18,8 @@
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
 //! sets the row count, 1,250,000 by default: 1,000,000 notes and 250,000
 //! shares; `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's chunk, 512 by
-//! default).
+//! default; `SYNCHRO_BENCH_REMAT_SHARE` its share of wall time, 100 percent
+//! by default).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
 
 use std::sync::Arc;
@@ -155,11 +156,13 @@ async fn main() {
     drop(server);
     let start = Instant::now();
     let chunk_rows = std::env::var("SYNCHRO_BENCH_CHUNK_ROWS").unwrap_or_else(|_| "512".into());
+    let share = std::env::var("SYNCHRO_BENCH_REMAT_SHARE").unwrap_or_else(|_| "100".into());
     let with_chunks = |c: String| {
         c.replace(
             "[server]",
             &format!(
-                "[capture]\nrematerialize_chunk_rows = {chunk_rows}\n\n\
+                "[capture]\nrematerialize_chunk_rows = {chunk_rows}\n\
+                 rematerialize_share = {share}\n\n\
                  [retention]\ncompact_interval_seconds = 86400\n\n[server]"
             ),
         )
@@ -190,7 +193,8 @@ async fn main() {
     assert_eq!(reread as usize, notes, "every note was re-read");
     let remat_floor = write_floor(&pool).await;
     println!(
-        "rematerialization of {notes} notes (a field added over values): {:.2} s, {:.0} rows/s; \
+        "rematerialization of {notes} notes (a field added over values, at a share of \
+         {share}%): {:.2} s, {:.0} rows/s; \
          write floor {:.2} s, {:.2}x the floor; server peak RSS {:.1} MB",
         remat.as_secs_f64(),
         notes as f64 / remat.as_secs_f64(),

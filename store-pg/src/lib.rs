@@ -11,6 +11,7 @@ mod baseline;
 pub mod capture;
 pub mod catalog;
 pub mod cluster;
+mod frame;
 mod ledger;
 mod materialized;
 pub mod operator;
@@ -35,7 +36,7 @@ use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
-use actors::store::{ClientRecord, Store, StoreError, StoreTx};
+use actors::store::{ClientRecord, RequestFrame, Store, StoreError, StoreTx};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -43,7 +44,7 @@ use protocol::json;
 use protocol::manifest::{Manifest, SchemaRef};
 use protocol::position::{Boundary, StreamPosition};
 use protocol::token::TokenKey;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
 
 use crate::capture::{FeedTarget, PgFeed};
@@ -104,6 +105,34 @@ impl PgStore {
         })
     }
 
+    /// A snapshot transaction, its commit `lazy` or not until it says otherwise.
+    async fn snapshot(&self, lazy: bool) -> Result<PgTx, StoreError> {
+        // Every read of a pull walks an index range in its order (a scope's
+        // candidates, its members). For a scope that is most of its table
+        // the planner would rather read it by a bitmap or a sequential scan
+        // and sort it, which costs more and does not stop at a page's
+        // limit; JIT compiling costs more than these short statements take.
+        // A lazy commit is set here too: one simple query, one round trip.
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; \
+             SELECT set_config('enable_bitmapscan', 'off', true), \
+             set_config('enable_sort', 'off', true), set_config('jit', 'off', true){}",
+            if lazy {
+                ", set_config('synchronous_commit', 'off', true)"
+            } else {
+                ""
+            }
+        );
+        Ok(PgTx {
+            tx: self.pool.begin_with(begin).await.map_err(db_error)?,
+            writes: self.writes.clone(),
+            savepoint_open: false,
+            defer_pending: false,
+            check_each_write: false,
+            lazy,
+        })
+    }
+
     /// The pool, for operator tasks and tests.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -147,6 +176,51 @@ fn bind_client<'q>(
         )
 }
 
+/// The columns [`client_at`] decodes, over `synchro.clients c`.
+const CLIENT_COLUMNS: &str = "c.user_id, c.generation, c.retired, c.installed_version, \
+    c.installed_hash, c.scope_set_version, c.assigned, c.accepted_write_epoch, c.continued, \
+    c.ever_assigned, c.registered_at";
+
+/// The client `client_id` in `r`'s columns from `at` ([`CLIENT_COLUMNS`]);
+/// `None` where they are null (an outer join found no such client).
+fn client_at(r: &PgRow, at: usize, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
+    let get = |i: usize| at + i;
+    let Some(user_id) = r.try_get::<Option<String>, _>(get(0)).map_err(db_error)? else {
+        return Ok(None);
+    };
+    let installed_version: Option<i64> = r.try_get(get(3)).map_err(db_error)?;
+    let installed_hash: Option<String> = r.try_get(get(4)).map_err(db_error)?;
+    let installed_schema = match (installed_version, installed_hash) {
+        (Some(v), Some(h)) => Some(SchemaRef {
+            version: counter(v, "schema version")?,
+            hash: Digest::from_hex(&h).ok_or(StoreError::Integrity("stored schema hash".into()))?,
+        }),
+        _ => None,
+    };
+    let scopes = |i: usize| -> Result<BTreeSet<ScopeId>, StoreError> {
+        let ids: Vec<String> = r.try_get(get(i)).map_err(db_error)?;
+        ids.iter()
+            .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
+            .collect()
+    };
+    Ok(Some(ClientRecord {
+        user_id,
+        client_id: client_id.to_owned(),
+        generation: counter(r.try_get(get(1)).map_err(db_error)?, "generation")?,
+        retired: r.try_get(get(2)).map_err(db_error)?,
+        installed_schema,
+        scope_set_version: counter(r.try_get(get(5)).map_err(db_error)?, "scope_set_version")?,
+        assigned: scopes(6)?,
+        ever_assigned: scopes(9)?,
+        accepted_write_epoch: counter(
+            r.try_get(get(7)).map_err(db_error)?,
+            "accepted_write_epoch",
+        )?,
+        continued: r.try_get(get(8)).map_err(db_error)?,
+        registered_at: r.try_get(get(10)).map_err(db_error)?,
+    }))
+}
+
 /// One PostgreSQL transaction.
 pub struct PgTx {
     tx: Transaction<'static, Postgres>,
@@ -157,6 +231,8 @@ pub struct PgTx {
     defer_pending: bool,
     /// Deferrable constraints are checked after each write (each is a push unit).
     check_each_write: bool,
+    /// The commit is set lazy (`synchronous_commit = off`).
+    lazy: bool,
 }
 
 impl Store for PgStore {
@@ -211,26 +287,16 @@ impl Store for PgStore {
             savepoint_open: false,
             defer_pending: false,
             check_each_write: false,
+            lazy: false,
         })
     }
 
     async fn begin_snapshot(&self) -> Result<PgTx, StoreError> {
-        // Every read of a pull walks an index range in its order (a scope's
-        // candidates, its members). For a scope that is most of its table
-        // the planner would rather read it by a bitmap or a sequential scan
-        // and sort it, which costs more and does not stop at a page's
-        // limit; JIT compiling costs more than these short statements take.
-        // One simple query, one round trip.
-        let begin = "BEGIN ISOLATION LEVEL REPEATABLE READ; \
-             SELECT set_config('enable_bitmapscan', 'off', true), \
-             set_config('enable_sort', 'off', true), set_config('jit', 'off', true)";
-        Ok(PgTx {
-            tx: self.pool.begin_with(begin).await.map_err(db_error)?,
-            writes: self.writes.clone(),
-            savepoint_open: false,
-            defer_pending: false,
-            check_each_write: false,
-        })
+        self.snapshot(false).await
+    }
+
+    async fn begin_snapshot_lazily(&self) -> Result<PgTx, StoreError> {
+        self.snapshot(true).await
     }
 
     async fn fresh_secret(&self) -> Result<[u8; 32], StoreError> {
@@ -319,45 +385,26 @@ impl StoreTx for PgTx {
     }
 
     async fn lock_client(&mut self, client_id: &str) -> Result<Option<ClientRecord>, StoreError> {
-        let row = sqlx::query(
-            "SELECT user_id, generation, retired, installed_version, installed_hash, scope_set_version, assigned, \
-               accepted_write_epoch, continued, ever_assigned, registered_at \
-             FROM synchro.clients WHERE client_id = $1 FOR UPDATE",
-        )
-        .bind(client_id)
-        .fetch_optional(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        let Some(r) = row else { return Ok(None) };
-        let installed_version: Option<i64> = r.try_get(3).map_err(db_error)?;
-        let installed_hash: Option<String> = r.try_get(4).map_err(db_error)?;
-        let installed_schema = match (installed_version, installed_hash) {
-            (Some(v), Some(h)) => Some(SchemaRef {
-                version: counter(v, "schema version")?,
-                hash: Digest::from_hex(&h)
-                    .ok_or(StoreError::Integrity("stored schema hash".into()))?,
-            }),
-            _ => None,
-        };
-        let scopes = |i: usize| -> Result<BTreeSet<ScopeId>, StoreError> {
-            let ids: Vec<String> = r.try_get(i).map_err(db_error)?;
-            ids.iter()
-                .map(|s| ScopeId::parse(s).ok_or(StoreError::Integrity("stored scope ID".into())))
-                .collect()
-        };
-        Ok(Some(ClientRecord {
-            user_id: r.try_get(0).map_err(db_error)?,
-            client_id: client_id.to_owned(),
-            generation: counter(r.try_get(1).map_err(db_error)?, "generation")?,
-            retired: r.try_get(2).map_err(db_error)?,
-            installed_schema,
-            scope_set_version: counter(r.try_get(5).map_err(db_error)?, "scope_set_version")?,
-            assigned: scopes(6)?,
-            ever_assigned: scopes(9)?,
-            accepted_write_epoch: counter(r.try_get(7).map_err(db_error)?, "accepted_write_epoch")?,
-            continued: r.try_get(8).map_err(db_error)?,
-            registered_at: r.try_get(10).map_err(db_error)?,
-        }))
+        let sql = format!(
+            "SELECT {CLIENT_COLUMNS} FROM synchro.clients c WHERE c.client_id = $1 FOR UPDATE"
+        );
+        let row = sqlx::query(&sql)
+            .bind(client_id)
+            .fetch_optional(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        match row {
+            None => Ok(None),
+            Some(r) => client_at(&r, 0, client_id),
+        }
+    }
+
+    async fn request_frame(
+        &mut self,
+        client_id: Option<&str>,
+        max_fences: usize,
+    ) -> Result<RequestFrame, StoreError> {
+        self.read_request_frame(client_id, max_fences).await
     }
 
     async fn insert_client(&mut self, c: &ClientRecord) -> Result<bool, StoreError> {
@@ -787,7 +834,10 @@ impl StoreTx for PgTx {
         self.stop_writes().await
     }
 
-    async fn commit(self) -> Result<(), StoreError> {
+    async fn commit(mut self) -> Result<(), StoreError> {
+        if self.lazy {
+            self.set_lazy(false).await?;
+        }
         self.tx.commit().await.map_err(db_error)
     }
 
@@ -795,11 +845,28 @@ impl StoreTx for PgTx {
         // The commit record is written, not flushed: the commit does not
         // queue behind another transaction's WAL (a rematerialization
         // writes a lot of it).
-        sqlx::query("SET LOCAL synchronous_commit = off")
+        if !self.lazy {
+            self.set_lazy(true).await?;
+        }
+        self.tx.commit().await.map_err(db_error)
+    }
+}
+
+impl PgTx {
+    /// Sets whether this transaction's commit waits for its WAL flush.
+    async fn set_lazy(&mut self, lazy: bool) -> Result<(), StoreError> {
+        // Not lazy is the database's own setting, whatever it is.
+        let sql = if lazy {
+            "SET LOCAL synchronous_commit = off"
+        } else {
+            "SET LOCAL synchronous_commit TO DEFAULT"
+        };
+        sqlx::query(sql)
             .execute(&mut *self.tx)
             .await
             .map_err(db_error)?;
-        self.tx.commit().await.map_err(db_error)
+        self.lazy = lazy;
+        Ok(())
     }
 }
 

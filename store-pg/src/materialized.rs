@@ -198,6 +198,45 @@ fn bind_projections<'q>(
 /// recorded done. One condition for progress and health.
 const BASELINE_OWED: &str = "NOT EXISTS (SELECT 1 FROM synchro.capture_slot WHERE baseline_done)";
 
+/// The columns [`progress_at`] decodes, over `synchro.capture_progress p`.
+pub(crate) fn progress_columns() -> String {
+    format!(
+        "p.commit_lsn, p.end_lsn, p.quarantine_lsn, p.quarantine_class, {BASELINE_OWED}, \
+         ARRAY(SELECT relation FROM synchro.rematerializations WHERE pending), \
+         (SELECT coalesce(max(version), 0) FROM synchro.schema_manifests)"
+    )
+}
+
+/// The capture progress in `r`'s columns from `at` ([`progress_columns`]).
+pub(crate) fn progress_at(r: &PgRow, at: usize) -> Result<CaptureProgress, StoreError> {
+    let commit: Option<i64> = r.try_get(at).map_err(db_error)?;
+    let q_lsn: Option<i64> = r.try_get(at + 2).map_err(db_error)?;
+    let q_class: Option<String> = r.try_get(at + 3).map_err(db_error)?;
+    Ok(CaptureProgress {
+        boundary: match commit {
+            None => Boundary::GenerationStart,
+            Some(c) => Boundary::TransactionEnd {
+                commit_lsn: to_u64(c)?,
+            },
+        },
+        end_lsn: to_u64(r.try_get(at + 1).map_err(db_error)?)?,
+        quarantine: match (q_lsn, q_class) {
+            (Some(l), Some(c)) => Some(Quarantine {
+                commit_lsn: to_u64(l)?,
+                problem: CaptureProblem::parse(&c).ok_or_else(|| integrity("quarantine class"))?,
+            }),
+            _ => None,
+        },
+        baseline_owed: r.try_get(at + 4).map_err(db_error)?,
+        rematerializing: r
+            .try_get::<Vec<String>, _>(at + 5)
+            .map_err(db_error)?
+            .into_iter()
+            .collect(),
+        newest_schema_version: to_u64(r.try_get(at + 6).map_err(db_error)?)?,
+    })
+}
+
 /// Satisfies client-write fences: a materialized transaction's, or those a
 /// baseline's snapshot holds. A fence whose pending row this transaction
 /// cannot see yet (decoded before visible, ADR 0014) is recorded satisfied.
@@ -269,42 +308,14 @@ async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(
 impl PgTx {
     pub(crate) async fn read_capture_progress(&mut self) -> Result<CaptureProgress, StoreError> {
         let sql = format!(
-            "SELECT commit_lsn, end_lsn, quarantine_lsn, quarantine_class, {BASELINE_OWED}, \
-               ARRAY(SELECT relation FROM synchro.rematerializations WHERE pending), \
-               (SELECT coalesce(max(version), 0) FROM synchro.schema_manifests) \
-             FROM synchro.capture_progress"
+            "SELECT {} FROM synchro.capture_progress p",
+            progress_columns()
         );
         let r = sqlx::query(&sql)
             .fetch_one(&mut *self.tx)
             .await
             .map_err(db_error)?;
-        let commit: Option<i64> = r.try_get(0).map_err(db_error)?;
-        let q_lsn: Option<i64> = r.try_get(2).map_err(db_error)?;
-        let q_class: Option<String> = r.try_get(3).map_err(db_error)?;
-        Ok(CaptureProgress {
-            boundary: match commit {
-                None => Boundary::GenerationStart,
-                Some(c) => Boundary::TransactionEnd {
-                    commit_lsn: to_u64(c)?,
-                },
-            },
-            end_lsn: to_u64(r.try_get(1).map_err(db_error)?)?,
-            quarantine: match (q_lsn, q_class) {
-                (Some(l), Some(c)) => Some(Quarantine {
-                    commit_lsn: to_u64(l)?,
-                    problem: CaptureProblem::parse(&c)
-                        .ok_or_else(|| integrity("quarantine class"))?,
-                }),
-                _ => None,
-            },
-            baseline_owed: r.try_get(4).map_err(db_error)?,
-            rematerializing: r
-                .try_get::<Vec<String>, _>(5)
-                .map_err(db_error)?
-                .into_iter()
-                .collect(),
-            newest_schema_version: to_u64(r.try_get(6).map_err(db_error)?)?,
-        })
+        progress_at(&r, 0)
     }
 
     pub(crate) async fn write_forgotten_table(

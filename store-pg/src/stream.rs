@@ -12,6 +12,7 @@ use protocol::ids::ScopeId;
 use protocol::position::{Boundary, StreamPosition};
 use protocol::token::{KeyState, TokenKey, TokenKind};
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 
 use crate::materialized::{EFFECT_COLUMNS, bounds, effect};
 use crate::sql::{to_i64, to_u64};
@@ -50,20 +51,70 @@ fn kind_text(k: TokenKind) -> &'static str {
     }
 }
 
+/// The columns [`stream_at`] decodes, over `synchro.stream s`.
+pub(crate) const STREAM_COLUMNS: &str =
+    "s.generation, s.retention_generation, s.floor_lsn, s.floor_event, s.floor_effect";
+
+/// The stream state in `r`'s columns from `at` ([`STREAM_COLUMNS`]).
+pub(crate) fn stream_at(r: &PgRow, at: usize) -> Result<StreamState, StoreError> {
+    let get = |i: usize| r.try_get::<i64, _>(at + i).map_err(db_error);
+    Ok(StreamState {
+        generation: to_u64(get(0)?)?,
+        retention_generation: to_u64(get(1)?)?,
+        floor: position(get(2)?, get(3)?, get(4)?)?,
+    })
+}
+
+/// A client's checkpoints as five aligned arrays, over the rows of
+/// `synchro.client_checkpoints k` it aggregates ([`checkpoints_at`]).
+pub(crate) const CHECKPOINT_ARRAYS: &str = "coalesce(array_agg(k.scope_id), '{}'), \
+    coalesce(array_agg(k.stream_generation), '{}'), coalesce(array_agg(k.commit_lsn), '{}'), \
+    coalesce(array_agg(k.event_ordinal), '{}'), coalesce(array_agg(k.effect_ordinal), '{}')";
+
+/// The checkpoints in `r`'s columns from `at` ([`CHECKPOINT_ARRAYS`]).
+pub(crate) fn checkpoints_at(
+    r: &PgRow,
+    at: usize,
+) -> Result<BTreeMap<ScopeId, Checkpoint>, StoreError> {
+    let scopes: Vec<String> = r.try_get(at).map_err(db_error)?;
+    let get = |i: usize| r.try_get::<Vec<i64>, _>(at + i).map_err(db_error);
+    let (generations, lsns, events, effects) = (get(1)?, get(2)?, get(3)?, get(4)?);
+    assert!(
+        [&generations, &lsns, &events, &effects]
+            .iter()
+            .all(|a| a.len() == scopes.len()),
+        "one aggregate's arrays are aligned"
+    );
+    scopes
+        .iter()
+        .enumerate()
+        .map(|(i, scope)| {
+            Ok((
+                ScopeId::parse(scope).ok_or_else(|| integrity("checkpoint scope"))?,
+                Checkpoint {
+                    stream_generation: to_u64(generations[i])?,
+                    position: position(lsns[i], events[i], effects[i])?,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The client `$1`'s pending fences that no materialization satisfied,
+/// in order, at most `$2`.
+pub(crate) const UNSATISFIED_FENCES: &str = "SELECT f.fence FROM synchro.pending_fences f \
+    WHERE f.client_id = $1 \
+      AND NOT EXISTS (SELECT 1 FROM synchro.satisfied_fences sf WHERE sf.fence = f.fence) \
+    ORDER BY f.fence LIMIT $2";
+
 impl PgTx {
     pub(crate) async fn read_stream_state(&mut self) -> Result<StreamState, StoreError> {
-        let r = sqlx::query(
-            "SELECT generation, retention_generation, floor_lsn, floor_event, floor_effect FROM synchro.stream",
-        )
-        .fetch_one(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        let get = |i: usize| r.try_get::<i64, _>(i).map_err(db_error);
-        Ok(StreamState {
-            generation: to_u64(get(0)?)?,
-            retention_generation: to_u64(get(1)?)?,
-            floor: position(get(2)?, get(3)?, get(4)?)?,
-        })
+        let sql = format!("SELECT {STREAM_COLUMNS} FROM synchro.stream s");
+        let r = sqlx::query(&sql)
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        stream_at(&r, 0)
     }
 
     pub(crate) async fn read_membership_rules(
@@ -203,27 +254,15 @@ impl PgTx {
         &mut self,
         client_id: &str,
     ) -> Result<BTreeMap<ScopeId, Checkpoint>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT scope_id, stream_generation, commit_lsn, event_ordinal, effect_ordinal \
-             FROM synchro.client_checkpoints WHERE client_id = $1",
-        )
-        .bind(client_id)
-        .fetch_all(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        rows.iter()
-            .map(|r| {
-                let scope: String = r.try_get(0).map_err(db_error)?;
-                let get = |i: usize| r.try_get::<i64, _>(i).map_err(db_error);
-                Ok((
-                    ScopeId::parse(&scope).ok_or_else(|| integrity("checkpoint scope"))?,
-                    Checkpoint {
-                        stream_generation: to_u64(get(1)?)?,
-                        position: position(get(2)?, get(3)?, get(4)?)?,
-                    },
-                ))
-            })
-            .collect()
+        let sql = format!(
+            "SELECT {CHECKPOINT_ARRAYS} FROM synchro.client_checkpoints k WHERE k.client_id = $1"
+        );
+        let r = sqlx::query(&sql)
+            .bind(client_id)
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        checkpoints_at(&r, 0)
     }
 
     pub(crate) async fn write_checkpoints(
@@ -273,16 +312,12 @@ impl PgTx {
         client_id: &str,
         max: usize,
     ) -> Result<Vec<u64>, StoreError> {
-        let rows: Vec<i64> = sqlx::query_scalar(
-            "SELECT p.fence FROM synchro.pending_fences p WHERE p.client_id = $1 \
-               AND NOT EXISTS (SELECT 1 FROM synchro.satisfied_fences s WHERE s.fence = p.fence) \
-             ORDER BY p.fence LIMIT $2",
-        )
-        .bind(client_id)
-        .bind(to_i64(max as u64)?)
-        .fetch_all(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
+        let rows: Vec<i64> = sqlx::query_scalar(UNSATISFIED_FENCES)
+            .bind(client_id)
+            .bind(to_i64(max as u64)?)
+            .fetch_all(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
         rows.into_iter().map(to_u64).collect()
     }
 

@@ -83,6 +83,8 @@ pub struct MaterializerLimits {
     pub group_events: usize,
     /// Rows in one chunk of a rematerialization.
     pub rematerialize_chunk_rows: usize,
+    /// The share of wall time (percent) a rematerialization keeps re-reading.
+    pub rematerialize_share: u32,
 }
 
 /// Starts the materializer over `store` for the config whose current
@@ -292,7 +294,12 @@ async fn lead<S: Store>(
     if superseded(model, &records) {
         return give_way(status);
     }
-    let mut rereading = reread::Rereading::new(records, model, limits.rematerialize_chunk_rows);
+    let mut rereading = reread::Rereading::new(
+        records,
+        model,
+        limits.rematerialize_chunk_rows,
+        limits.rematerialize_share,
+    );
     if rereading.owed() > 0 {
         tracing::info!(
             relations = rereading.owed(),
@@ -374,7 +381,15 @@ async fn lead<S: Store>(
         if blocked.is_none() {
             rereading.request(store, &mut feed, model).await?;
         }
-        let Some(first) = feed.next(limits.heartbeat).await? else {
+        // While a re-read pauses (ADR 0027), wait no longer than the pause.
+        let pause = rereading
+            .pause_left()
+            .filter(|p| *p < limits.heartbeat)
+            .filter(|_| blocked.is_none());
+        let Some(first) = feed.next(pause.unwrap_or(limits.heartbeat)).await? else {
+            if pause.is_some() {
+                continue; // the pause is over: the next chunk is due
+            }
             if status.is_closed() {
                 return Ok(()); // the engine is gone: give up leadership
             }

@@ -28,6 +28,8 @@ pub(super) struct Rereading {
     in_flight: Option<InFlight>,
     /// Rows per chunk.
     chunk_rows: usize,
+    /// When the next chunk may be read (ADR 0027).
+    pace: Pace,
     /// The progress last logged: when, and the relation's rows then.
     reported: (Instant, u64),
 }
@@ -45,11 +47,58 @@ fn time_left(rows: u64, estimated: Option<u64>, per_second: f64) -> Option<u64> 
 struct InFlight {
     watermark: String,
     chunk: RereadChunk,
+    /// When its reading began.
+    began: Instant,
+}
+
+/// Paces re-reading to a share of wall time (ADR 0027): after a chunk
+/// that took `busy` from its read to its commit, the next waits
+/// `busy * (100 - share) / share`. A rematerialization shares the cores
+/// with the pulls beside it, and this keeps their latency.
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    /// Percent of wall time spent re-reading, 1..=100.
+    share: u32,
+    /// No chunk is read before this.
+    resume_at: Option<Instant>,
+}
+
+impl Pace {
+    fn new(share: u32) -> Pace {
+        assert!((1..=100).contains(&share), "a share is a percent");
+        Pace {
+            share,
+            resume_at: None,
+        }
+    }
+
+    /// The pause after a chunk that kept the leader `busy`.
+    fn pause(&self, busy: Duration) -> Duration {
+        busy * (100 - self.share) / self.share
+    }
+
+    /// A chunk that began at `began` committed at `now`.
+    fn chunk_done(&mut self, began: Instant, now: Instant) {
+        assert!(now >= began, "a chunk commits after it began");
+        self.resume_at = Some(now + self.pause(now - began));
+    }
+
+    /// The pause left at `now`, if any.
+    fn left(&self, now: Instant) -> Option<Duration> {
+        self.resume_at
+            .map(|at| at.saturating_duration_since(now))
+            .filter(|d| !d.is_zero())
+    }
 }
 
 impl Rereading {
     /// The pending records of `records`, in the order they are re-read.
-    pub fn new(records: Vec<Rematerialization>, model: &Model, chunk_rows: usize) -> Rereading {
+    pub fn new(
+        records: Vec<Rematerialization>,
+        model: &Model,
+        chunk_rows: usize,
+        share: u32,
+    ) -> Rereading {
         assert!(chunk_rows > 0, "a chunk reads rows");
         let (tables, dependencies): (Vec<_>, Vec<_>) = records
             .into_iter()
@@ -65,8 +114,18 @@ impl Rereading {
             owed,
             in_flight: None,
             chunk_rows,
+            pace: Pace::new(share),
             reported: (Instant::now(), resumed_at),
         }
+    }
+
+    /// How long the loop may wait before the next chunk is due: `None`
+    /// when no chunk is due (nothing owed, or one in flight).
+    pub fn pause_left(&self) -> Option<Duration> {
+        if self.owed.is_empty() || self.in_flight.is_some() {
+            return None;
+        }
+        Some(self.pace.left(Instant::now()).unwrap_or(Duration::ZERO))
     }
 
     /// Relations still owed.
@@ -84,9 +143,10 @@ impl Rereading {
         let Some(record) = self.owed.front() else {
             return Ok(());
         };
-        if self.in_flight.is_some() {
+        if self.in_flight.is_some() || self.pace.left(Instant::now()).is_some() {
             return Ok(());
         }
+        let began = Instant::now();
         let nonce = store.fresh_secret().await?;
         let watermark: String = nonce[..12].iter().map(|b| format!("{b:02x}")).collect();
         let registered = model
@@ -105,7 +165,11 @@ impl Rereading {
             chunk.events.len() <= self.chunk_rows,
             "a chunk within its limit"
         );
-        self.in_flight = Some(InFlight { watermark, chunk });
+        self.in_flight = Some(InFlight {
+            watermark,
+            chunk,
+            began,
+        });
         Ok(())
     }
 
@@ -152,7 +216,9 @@ impl Rereading {
         if let Some(owed) = self.owed.front_mut() {
             *owed = record.clone();
         }
-        self.in_flight = None;
+        if let Some(flight) = self.in_flight.take() {
+            self.pace.chunk_done(flight.began, Instant::now());
+        }
         let (at, rows_then) = self.reported;
         if !record.pending {
             tracing::info!(
@@ -183,7 +249,31 @@ impl Rereading {
 
 #[cfg(test)]
 mod tests {
-    use super::time_left;
+    use super::{Pace, time_left};
+    use tokio::time::{Duration, Instant};
+
+    #[test]
+    fn a_pace_pauses_for_the_rest_of_its_share() {
+        let ms = Duration::from_millis;
+        assert_eq!(Pace::new(100).pause(ms(80)), ms(0));
+        assert_eq!(Pace::new(50).pause(ms(80)), ms(80));
+        assert_eq!(Pace::new(25).pause(ms(80)), ms(240));
+        assert_eq!(Pace::new(1).pause(ms(10)), ms(990));
+        let mut pace = Pace::new(50);
+        let began = Instant::now();
+        assert_eq!(pace.left(began), None, "the first chunk is due at once");
+        pace.chunk_done(began, began + ms(30));
+        assert_eq!(pace.left(began + ms(30)), Some(ms(30)));
+        assert_eq!(pace.left(began + ms(50)), Some(ms(10)));
+        assert_eq!(pace.left(began + ms(60)), None);
+        assert_eq!(pace.left(began + ms(70)), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "a share is a percent")]
+    fn a_share_above_all_of_the_time_is_refused() {
+        let _ = Pace::new(101);
+    }
 
     #[test]
     fn time_left_needs_an_estimate_and_a_rate() {

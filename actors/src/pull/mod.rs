@@ -101,17 +101,17 @@ impl<S: Store> Puller<S> {
         now_micros: i64,
     ) -> Result<PullResponse, Failure> {
         let parsed = protocol::wire::parse_body(body);
-        let mut tx = self.store.begin_snapshot().await?;
-        // The first read fixes the boundary B: the snapshot holds exactly
-        // the state materialized through it.
-        let progress = tx.capture_progress().await?;
-        let boundary = progress.boundary;
-        // 1. Bind client_id to the user.
         let named = parsed
             .as_ref()
             .ok()
             .and_then(protocol::wire::client_id_member);
-        let client = attempt::bind(&mut tx, user_id, named).await?;
+        // Most pulls only move checkpoints, and commit lazily.
+        let mut tx = self.store.begin_snapshot_lazily().await?;
+        let frame = attempt::frame(&mut tx, named).await?;
+        let progress = frame.progress;
+        let boundary = progress.boundary;
+        // 1. Bind client_id to the user.
+        let client = attempt::bind(user_id, named, frame.client)?;
         // 3. Structure, with every limit.
         let req = PullRequest::from_value(parsed?)?;
         let Some(mut client) = client else {
@@ -123,7 +123,7 @@ impl<S: Store> Puller<S> {
         // The request rules judged against the client's state.
         scope_rules(&req, &client)?;
         // 7. Cursors: any misbound one fails the whole request.
-        let stream = tx.stream_state().await?;
+        let stream = frame.stream;
         let client_id = client.client_id.clone();
         let ctx = CursorContext {
             user_id,
@@ -138,7 +138,7 @@ impl<S: Store> Puller<S> {
         // 8. Admission control.
         let _permit = self.admission.admit_page(user_id, now_micros).await?;
         // 9. Execute: capture must have materialized what this client wrote.
-        attempt::capture_gates(&mut tx, &progress, &client.client_id).await?;
+        attempt::capture_gates(&progress, &frame.pending_fences)?;
         attempt::rematerialization_gate(&self.registry, &progress, req.scopes.keys())?;
         let authoritative = self.registry.assignment(&mut tx, user_id).await?;
         let changed = reconcile_assignment(&mut client, &authoritative)?;
@@ -156,7 +156,7 @@ impl<S: Store> Puller<S> {
                     .await?,
             }
         };
-        self.acknowledge(&mut tx, &client, &stream, &resumed)
+        self.acknowledge(&mut tx, &client, &frame.checkpoints, &stream, &resumed)
             .await?;
         let first_presented = attempt::present_generation(&mut client);
         if changed || first_presented {
@@ -292,10 +292,10 @@ impl<S: Store> Puller<S> {
         &self,
         tx: &mut S::Tx,
         client: &ClientRecord,
+        stored: &BTreeMap<ScopeId, Checkpoint>,
         stream: &crate::stream::StreamState,
         resumed: &[Resumed<'_>],
     ) -> Result<(), Failure> {
-        let stored = tx.checkpoints(&client.client_id).await?;
         let mut advanced = Vec::new();
         for r in resumed {
             let next = Checkpoint {

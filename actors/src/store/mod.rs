@@ -51,6 +51,24 @@ impl fmt::Display for StoreError {
 
 impl std::error::Error for StoreError {}
 
+/// What a pull or a rebuild reads first, in its snapshot: one round trip
+/// on PostgreSQL, where each round trip can wait for a core while capture
+/// is busy beside it (ADR 0027).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestFrame {
+    /// The durable materialization progress: it fixes the boundary.
+    pub progress: CaptureProgress,
+    /// The stream's generation, retention generation and floor.
+    pub stream: StreamState,
+    /// The named client (under any user), locked until commit.
+    pub client: Option<ClientRecord>,
+    /// The named ID's pending fences that no materialization satisfied, in
+    /// fence order, at most the asked number (empty when none is named).
+    pub pending_fences: Vec<u64>,
+    /// The named ID's acknowledged checkpoints (empty when none is named).
+    pub checkpoints: BTreeMap<ScopeId, Checkpoint>,
+}
+
 /// The durable state of one client identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClientRecord {
@@ -91,6 +109,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// REPEATABLE READ). A write that conflicts with a concurrent one fails
     /// `Unavailable`, and the caller retries.
     fn begin_snapshot(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// As [`Store::begin_snapshot`], for a transaction that most likely ends
+    /// in [`StoreTx::commit_lazily`]: a store may prepare the lazy commit
+    /// as it begins. Its [`StoreTx::commit`] is as durable as any.
+    fn begin_snapshot_lazily(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send {
+        self.begin_snapshot()
+    }
 
     /// 32 bytes for a new secret: real entropy (MemStore: its seeded RNG).
     fn fresh_secret(&self) -> impl Future<Output = Result<[u8; 32], StoreError>> + Send;
@@ -151,6 +176,38 @@ pub trait StoreTx: Send {
         &mut self,
         fingerprint: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The first read of a pull or a rebuild ([`RequestFrame`]): what
+    /// [`StoreTx::capture_progress`], [`StoreTx::stream_state`] and, for a
+    /// named client, [`StoreTx::lock_client`], [`StoreTx::pending_fences`]
+    /// (at most `max_fences`) and [`StoreTx::checkpoints`] read, in one
+    /// step. A store may read it all at once.
+    fn request_frame(
+        &mut self,
+        client_id: Option<&str>,
+        max_fences: usize,
+    ) -> impl Future<Output = Result<RequestFrame, StoreError>> + Send
+    where
+        Self: Send,
+    {
+        async move {
+            let progress = self.capture_progress().await?;
+            let stream = self.stream_state().await?;
+            let mut frame = RequestFrame {
+                progress,
+                stream,
+                client: None,
+                pending_fences: Vec::new(),
+                checkpoints: BTreeMap::new(),
+            };
+            if let Some(id) = client_id {
+                frame.client = self.lock_client(id).await?;
+                frame.pending_fences = self.pending_fences(id, max_fences).await?;
+                frame.checkpoints = self.checkpoints(id).await?;
+            }
+            Ok(frame)
+        }
+    }
 
     /// Reads and locks the client with this ID (under any user) until commit.
     fn lock_client(

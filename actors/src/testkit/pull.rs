@@ -913,6 +913,33 @@ async fn capture_gates<W: CaptureWorld>(world: &W, node: &Node, feed: <W::S as S
         tx.pending_fences("cg-u", 8).await.unwrap().is_empty(),
         "by client"
     );
+    // The request frame reads what the single reads read, in one step.
+    for named in [Some("cg-c"), Some("cg-u"), None] {
+        let frame = tx.request_frame(named, 8).await.unwrap();
+        assert_eq!(frame.progress, tx.capture_progress().await.unwrap());
+        assert_eq!(frame.stream, tx.stream_state().await.unwrap());
+        let Some(id) = named else {
+            assert_eq!(frame.client, None);
+            assert!(frame.pending_fences.is_empty() && frame.checkpoints.is_empty());
+            continue;
+        };
+        assert_eq!(frame.client, tx.lock_client(id).await.unwrap());
+        assert_eq!(
+            frame.pending_fences,
+            tx.pending_fences(id, 8).await.unwrap()
+        );
+        assert_eq!(frame.checkpoints, tx.checkpoints(id).await.unwrap());
+    }
+    let frame = tx.request_frame(Some("cg-c"), 8).await.unwrap();
+    assert!(frame.client.is_some() && !frame.checkpoints.is_empty());
+    assert_eq!(frame.pending_fences.len(), 1, "the push's one fence");
+    assert!(
+        tx.request_frame(Some("cg-c"), 0)
+            .await
+            .unwrap()
+            .pending_fences
+            .is_empty()
+    );
     drop(tx);
     assert_eq!(c.checkpoints().await, before, "no checkpoint moved");
     let mut tx = store.begin().await.unwrap();
@@ -1300,6 +1327,23 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         Some(&cp(at(7, 0, 1)))
     );
     drop(tx);
+    // A snapshot begun lazily commits either way, and both are seen.
+    for (lsn, lazily) in [(8, true), (9, false)] {
+        let mut tx = store.begin_snapshot_lazily().await.unwrap();
+        tx.put_checkpoints("c1", &[(s2.clone(), cp(at(lsn, 0, 1)))])
+            .await
+            .unwrap();
+        if lazily {
+            tx.commit_lazily().await.unwrap();
+        } else {
+            tx.commit().await.unwrap();
+        }
+        let mut tx = store.begin().await.unwrap();
+        assert_eq!(
+            tx.checkpoints("c1").await.unwrap().get(&s2),
+            Some(&cp(at(lsn, 0, 1)))
+        );
+    }
 
     // Candidates: each row's last effect through the boundary, in order.
     let identity = |k: i32| RowIdentity::new("t", "id", &TypedValue::Int(k));
