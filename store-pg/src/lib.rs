@@ -774,6 +774,14 @@ impl StoreTx for PgTx {
         self.read_last_effect_before(scope, before).await
     }
 
+    async fn last_effects_before(
+        &mut self,
+        scopes: &[&ScopeId],
+        before: StreamPosition,
+    ) -> Result<Vec<Option<StreamPosition>>, StoreError> {
+        self.read_last_effects_before(scopes, before).await
+    }
+
     async fn push_ledger(
         &mut self,
         user_id: &str,

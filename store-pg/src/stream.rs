@@ -375,6 +375,41 @@ impl PgTx {
         .map_err(db_error)?;
         row.as_ref().map(row_position).transpose()
     }
+
+    pub(crate) async fn read_last_effects_before(
+        &mut self,
+        scopes: &[&ScopeId],
+        before: StreamPosition,
+    ) -> Result<Vec<Option<StreamPosition>>, StoreError> {
+        let b = bounds(before)?;
+        let ids: Vec<&str> = scopes.iter().map(|s| s.as_str()).collect();
+        let rows = sqlx::query(
+            "SELECT e.commit_lsn, e.event_ordinal, e.effect_ordinal \
+             FROM unnest($1::text[]) WITH ORDINALITY AS s(scope_id, n) \
+             LEFT JOIN LATERAL (SELECT commit_lsn, event_ordinal, effect_ordinal \
+               FROM synchro.scope_effects \
+               WHERE scope_id = s.scope_id \
+                 AND (commit_lsn, event_ordinal, effect_ordinal) < ($2, $3, $4) \
+               ORDER BY commit_lsn DESC, event_ordinal DESC, effect_ordinal DESC LIMIT 1) e \
+             ON true ORDER BY s.n",
+        )
+        .bind(ids)
+        .bind(b.0)
+        .bind(b.1)
+        .bind(b.2)
+        .fetch_all(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        assert_eq!(rows.len(), scopes.len(), "one answer per scope");
+        rows.iter()
+            .map(
+                |r| match r.try_get::<Option<i64>, _>(0).map_err(db_error)? {
+                    None => Ok(None),
+                    Some(_) => row_position(r).map(Some),
+                },
+            )
+            .collect()
+    }
 }
 
 /// The position in a row's first three columns (lsn, event, effect).

@@ -7,7 +7,7 @@
 //! reads one index entry, not every row. Debug builds (every test and the
 //! simulator) recompute each cache hit and assert it equal.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use protocol::digest::{Digest, ScopeDigest, row_digest};
@@ -36,16 +36,17 @@ pub struct ChecksumCache {
 }
 
 impl ChecksumCache {
-    /// The digest of `scope` at `boundary`, read in the caller's snapshot.
-    pub async fn digest<T: StoreTx>(
+    /// The digest of each of `scopes` at `boundary`, read in the caller's
+    /// snapshot: every scope's key in one read, then each digest cached
+    /// or computed.
+    pub async fn digests<T: StoreTx + Send>(
         &self,
         tx: &mut T,
         stream_generation: u64,
         current: &Manifest,
-        scope: &ScopeId,
+        scopes: &BTreeSet<ScopeId>,
         boundary: Boundary,
-    ) -> Result<Digest, StoreError> {
-        let schema_hash = &current.hash();
+    ) -> Result<BTreeMap<ScopeId, Digest>, StoreError> {
         // Every effect at or before the boundary is before its transaction end.
         let end = match boundary {
             Boundary::GenerationStart => StreamPosition::GenerationStart,
@@ -53,11 +54,29 @@ impl ChecksumCache {
                 StreamPosition::TransactionEnd { commit_lsn }
             }
         };
-        let key = Key {
-            stream_generation,
-            schema_hash: *schema_hash,
-            last_effect: tx.last_effect_before(scope, end).await?,
-        };
+        let ordered: Vec<&ScopeId> = scopes.iter().collect();
+        let last = tx.last_effects_before(&ordered, end).await?;
+        assert_eq!(last.len(), ordered.len(), "one key per scope");
+        let mut sums = BTreeMap::new();
+        for (scope, last_effect) in ordered.into_iter().zip(last) {
+            let key = Key {
+                stream_generation,
+                schema_hash: current.hash(),
+                last_effect,
+            };
+            sums.insert(scope.clone(), self.digest(tx, current, scope, key).await?);
+        }
+        Ok(sums)
+    }
+
+    /// The digest of `scope` under `key`: cached, or computed and cached.
+    async fn digest<T: StoreTx>(
+        &self,
+        tx: &mut T,
+        current: &Manifest,
+        scope: &ScopeId,
+        key: Key,
+    ) -> Result<Digest, StoreError> {
         let cached = self
             .lock()
             .get(scope)

@@ -275,14 +275,15 @@ impl<S: Store> Puller<S> {
         current: &Manifest,
         active: &BTreeSet<ScopeId>,
     ) -> Result<BTreeMap<ScopeId, Digest>, Failure> {
-        let mut sums = BTreeMap::new();
-        for scope in active {
-            let d = self
-                .checksums
-                .digest(tx, ctx.stream.generation, current, scope, ctx.boundary)
-                .await?;
-            sums.insert(scope.clone(), d);
-        }
+        let sums = self
+            .checksums
+            .digests(tx, ctx.stream.generation, current, active, ctx.boundary)
+            .await?;
+        assert_eq!(
+            sums.len(),
+            active.len(),
+            "a checksum for every active scope"
+        );
         Ok(sums)
     }
 

@@ -495,6 +495,25 @@ pub trait StoreTx: Send {
         before: StreamPosition,
     ) -> impl Future<Output = Result<Option<StreamPosition>, StoreError>> + Send;
 
+    /// [`StoreTx::last_effect_before`] of each of `scopes`, in their order,
+    /// in one step (one round trip on PostgreSQL, ADR 0027).
+    fn last_effects_before(
+        &mut self,
+        scopes: &[&ScopeId],
+        before: StreamPosition,
+    ) -> impl Future<Output = Result<Vec<Option<StreamPosition>>, StoreError>> + Send
+    where
+        Self: Send,
+    {
+        async move {
+            let mut last = Vec::with_capacity(scopes.len());
+            for scope in scopes {
+                last.push(self.last_effect_before(scope, before).await?);
+            }
+            Ok(last)
+        }
+    }
+
     /// The rebuild session of this client's attempt `rebuild_id`, if any.
     fn rebuild_session(
         &mut self,

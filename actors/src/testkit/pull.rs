@@ -1439,6 +1439,19 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             .unwrap(),
         None
     );
+    // All at once: each scope's, in the asked order, repeats and all.
+    for before in [at(300, 0, 0), through(300).into(), at(100, 0, 0), start] {
+        let asked = [&s2, &s1, &s2];
+        let mut singles = Vec::new();
+        for scope in asked {
+            singles.push(tx.last_effect_before(scope, before).await.unwrap());
+        }
+        assert_eq!(
+            tx.last_effects_before(&asked, before).await.unwrap(),
+            singles
+        );
+    }
+    assert!(tx.last_effects_before(&[], start).await.unwrap().is_empty());
     drop(tx);
     // Two effects of one row in one materialization: the later supersedes
     // the earlier, and the row's effect at 300 too.
