@@ -360,20 +360,8 @@ impl PgTx {
         scope: &ScopeId,
         before: StreamPosition,
     ) -> Result<Option<StreamPosition>, StoreError> {
-        let b = bounds(before)?;
-        let row = sqlx::query(
-            "SELECT commit_lsn, event_ordinal, effect_ordinal FROM synchro.scope_effects \
-             WHERE scope_id = $1 AND (commit_lsn, event_ordinal, effect_ordinal) < ($2, $3, $4) \
-             ORDER BY commit_lsn DESC, event_ordinal DESC, effect_ordinal DESC LIMIT 1",
-        )
-        .bind(scope.as_str())
-        .bind(b.0)
-        .bind(b.1)
-        .bind(b.2)
-        .fetch_optional(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        row.as_ref().map(row_position).transpose()
+        let mut last = self.read_last_effects_before(&[scope], before).await?;
+        Ok(last.pop().flatten())
     }
 
     pub(crate) async fn read_last_effects_before(
