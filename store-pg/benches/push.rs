@@ -3,7 +3,8 @@
 //! - one client pushing 100-mutation batches (inserts, then updates with
 //!   their current base versions): latency p50/p99 and mutations per
 //!   second, against the same DML run directly over one connection in one
-//!   transaction (same triggers, same capture), measured in the same run;
+//!   transaction (same triggers, same capture), and against one set-based
+//!   statement per batch (the floor), measured in the same run;
 //! - 16 clients pushing 100-insert batches at once: mutations per second.
 //!
 //! Run: `cargo bench -p store-pg --bench push`.
@@ -81,6 +82,31 @@ async fn raw_round(pool: &PgPool, r: u64, update: bool) -> Duration {
     start.elapsed()
 }
 
+/// The same inserts and updates as one set-based statement in one
+/// transaction: the least a batch's writes can cost with the same triggers.
+async fn set_round(pool: &PgPool, r: u64, update: bool) -> Duration {
+    let ids: Vec<String> = (0..BATCH).map(|n| note_id(key(998, r, n))).collect();
+    let start = Instant::now();
+    let mut tx = pool.begin().await.unwrap();
+    let statement = if update {
+        "UPDATE public.notes AS n SET title = 'set updated', pinned = true, \
+         updated_at = '2026-07-18 14:00:01+00'::timestamptz \
+         FROM unnest($1::uuid[]) AS u(id) WHERE n.id = u.id"
+    } else {
+        "INSERT INTO public.notes (id, owner_id, title, pinned, updated_at) \
+         SELECT id, 'bench', 'set', false, '2026-07-18 14:00:01+00'::timestamptz \
+         FROM unnest($1::uuid[]) AS u(id)"
+    };
+    let done = sqlx::query(statement)
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(done.rows_affected(), BATCH);
+    tx.commit().await.unwrap();
+    start.elapsed()
+}
+
 async fn push_round(c: &PushClient, r: u64, bases: Option<&[String]>) -> (Duration, Vec<String>) {
     let s = c.schema.clone();
     let mutations = (0..BATCH)
@@ -145,22 +171,32 @@ async fn main() {
         push_round(&c, 20_000 + r, None).await;
     }
     let (mut raw_ins, mut raw_upd, mut push_ins, mut push_upd) = (vec![], vec![], vec![], vec![]);
+    let (mut set_ins, mut set_upd) = (vec![], vec![]);
     for r in 0..ROUNDS {
-        // Interleaved, so both see the same machine and the same capture load.
+        // Interleaved, so all see the same machine and the same capture load.
         raw_ins.push(raw_round(&pool, r, false).await);
+        set_ins.push(set_round(&pool, r, false).await);
         let (t, versions) = push_round(&c, r, None).await;
         push_ins.push(t);
         raw_upd.push(raw_round(&pool, r, true).await);
+        set_upd.push(set_round(&pool, r, true).await);
         push_upd.push(push_round(&c, r, Some(&versions)).await.0);
     }
     let ri = report("raw DML, 100 inserts", raw_ins);
+    let si = report("set-based DML, 100 inserts", set_ins);
     let pi = report("push, 100 inserts", push_ins);
     let ru = report("raw DML, 100 updates", raw_upd);
+    let su = report("set-based DML, 100 updates", set_upd);
     let pu = report("push, 100 updates (compare-and-swap)", push_upd);
     println!(
         "push / raw at p50: inserts {:.2}x, updates {:.2}x",
         pi.as_secs_f64() / ri.as_secs_f64(),
         pu.as_secs_f64() / ru.as_secs_f64()
+    );
+    println!(
+        "push / set-based at p50: inserts {:.2}x, updates {:.2}x",
+        pi.as_secs_f64() / si.as_secs_f64(),
+        pu.as_secs_f64() / su.as_secs_f64()
     );
 
     println!("{CLIENTS} clients at once, {CONCURRENT_ROUNDS} batches of {BATCH} inserts each:");
