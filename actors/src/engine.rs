@@ -21,7 +21,7 @@ use crate::registry::{Registry, RegistryError};
 use crate::reply::Reply;
 use crate::retention;
 use crate::store::Store;
-use crate::visibility::{CaptureReports, Visibility};
+use crate::visibility::{self, CaptureReports, Visibility};
 
 enum RegistryMsg {
     Connect {
@@ -70,6 +70,8 @@ pub struct Engine {
     reports: CaptureReports,
     /// The retention task runs while the engine lives.
     _retention: retention::Running,
+    /// Fence reports from every process's capture are heard while it lives.
+    _fence_reports: visibility::Listening,
     /// Latched by the first `500 sync_integrity_failure`: durable state broke
     /// an invariant, so this process stays unready until it restarts.
     integrity_failed: Arc<AtomicBool>,
@@ -170,6 +172,7 @@ impl Engine {
         .await
         .map_err(RegistryError::Config)?;
         let retention = retention::spawn(capture_store, config.retention.clone(), capture.clone());
+        let fence_reports = visibility.reports.listen(store.clone());
         let (tx, mut rx) = mpsc::channel::<RegistryMsg>(REGISTRY_INBOX);
         let permits = Arc::new(Semaphore::new(PARALLEL_CONNECTS));
         tokio::spawn(async move {
@@ -217,6 +220,7 @@ impl Engine {
             capture,
             reports: visibility.reports,
             _retention: retention,
+            _fence_reports: fence_reports,
             integrity_failed: Arc::new(AtomicBool::new(false)),
             unreachable_since: Arc::default(),
             readiness: ReadinessLimits {

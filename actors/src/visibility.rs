@@ -8,8 +8,11 @@
 //! then it runs again from the start in a new snapshot. Only past the
 //! bound is the answer 503.
 //!
-//! Only this process's materializer reports: a process that does not lead
-//! capture waits the whole bound and runs once more.
+//! The materializer of this process reports its commits at once. Every
+//! process also listens to the store (ADR 0028), which tells it what the
+//! capture of any process satisfied: so a process that does not lead
+//! capture wakes its waiting requests too. A report heard twice (by a
+//! leader, from itself and from the store) only removes a fence twice.
 //!
 //! The materializer also reports how long it expects to take to catch up
 //! (the WAL it has yet to take over the rate it takes it at), which the
@@ -20,8 +23,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
+
+use crate::store::{FenceListener, FenceReport, Store};
 
 /// Groups of satisfied fences a waiter may fall behind by before it simply
 /// runs again.
@@ -30,6 +35,9 @@ const BACKLOG: usize = 1024;
 /// Fences a waiting request waits for at most: one with more runs again
 /// once these are satisfied and, if more remain, waits again.
 pub const MAX_WAITED_FENCES: usize = 64;
+
+/// How long a listener that failed waits before it listens again.
+const RELISTEN: Duration = Duration::from_secs(1);
 
 /// `Retry-After` when capture has told nothing recent: the adapter's old
 /// fixed value.
@@ -45,7 +53,7 @@ const MAX_RETRY_SECONDS: u32 = 60;
 /// committed group satisfied, and how long it expects to catch up.
 #[derive(Clone)]
 pub struct CaptureReports {
-    sender: broadcast::Sender<Arc<[u64]>>,
+    sender: broadcast::Sender<FenceReport>,
     /// The latest catch-up estimate, and when it was made.
     catch_up: Arc<Mutex<Option<(Duration, Instant)>>>,
     /// What this process materialized since it started.
@@ -74,7 +82,61 @@ impl CaptureReports {
     pub fn satisfied(&self, fences: &[u64]) {
         if !fences.is_empty() {
             // No receiver is no one waiting: nothing to do.
-            let _ = self.sender.send(fences.into());
+            let _ = self.sender.send(FenceReport::Satisfied(fences.into()));
+        }
+    }
+
+    /// Reports may have been lost: every waiting request runs again.
+    pub fn missed(&self) {
+        let _ = self.sender.send(FenceReport::Missed);
+    }
+
+    /// Passes on what the store tells of every process's capture until
+    /// the returned handle drops. A failed listener is reopened after
+    /// [`RELISTEN`]; once a listener is open, the waiting requests are told
+    /// that reports were missed, so that none waits on a report sent
+    /// before it listened.
+    pub fn listen<S: Store>(&self, store: S) -> Listening {
+        let (running, mut stop) = watch::channel(());
+        let reports = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let opened = tokio::select! {
+                    l = store.fence_listener() => l,
+                    _ = stop.changed() => return,
+                };
+                match opened {
+                    Ok(mut listener) => {
+                        // Only now is every commit heard: a request that
+                        // read its fences before runs again.
+                        reports.missed();
+                        loop {
+                            let heard = tokio::select! {
+                                r = listener.next() => r,
+                                _ = stop.changed() => return,
+                            };
+                            match heard {
+                                Ok(FenceReport::Satisfied(fences)) => reports.satisfied(&fences),
+                                Ok(FenceReport::Missed) => reports.missed(),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "fence reports: the listener failed; listening again");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "fence reports: cannot listen; trying again");
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(RELISTEN) => {}
+                    _ = stop.changed() => return,
+                }
+            }
+        });
+        Listening {
+            _stop: Arc::new(running),
         }
     }
 
@@ -128,15 +190,21 @@ impl CaptureReports {
     }
 }
 
+/// Keeps a process listening for fence reports while any clone lives.
+#[derive(Clone, Debug)]
+pub struct Listening {
+    _stop: Arc<watch::Sender<()>>,
+}
+
 /// Reports since a request's attempt began.
 pub struct FenceWatch {
-    receiver: broadcast::Receiver<Arc<[u64]>>,
+    receiver: broadcast::Receiver<FenceReport>,
 }
 
 impl FenceWatch {
     /// Waits until every fence of `pending` is reported satisfied (true),
-    /// or until `deadline` (false). Falling behind the reports answers
-    /// true: running again is the way to find out.
+    /// or until `deadline` (false). Falling behind the reports, or reports
+    /// missed, answers true: running again is the way to find out.
     pub async fn satisfied(&mut self, pending: &[u64], deadline: Instant) -> bool {
         let mut left: BTreeSet<u64> = pending.iter().copied().collect();
         while !left.is_empty() {
@@ -144,12 +212,14 @@ impl FenceWatch {
             let remaining = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(remaining, self.receiver.recv()).await {
                 Err(_) => return false,
-                Ok(Ok(fences)) => {
+                Ok(Ok(FenceReport::Satisfied(fences))) => {
                     for f in fences.iter() {
                         left.remove(f);
                     }
                 }
-                Ok(Err(broadcast::error::RecvError::Lagged(_))) => return true,
+                Ok(Ok(FenceReport::Missed) | Err(broadcast::error::RecvError::Lagged(_))) => {
+                    return true;
+                }
                 Ok(Err(broadcast::error::RecvError::Closed)) => return false,
             }
         }
@@ -227,6 +297,12 @@ mod tests {
         assert!(
             watch.satisfied(&[u64::MAX], far).await,
             "fell behind: run again"
+        );
+        let mut watch = reports.watch();
+        reports.missed();
+        assert!(
+            watch.satisfied(&[u64::MAX], far).await,
+            "reports missed: run again"
         );
     }
 

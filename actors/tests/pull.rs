@@ -18,6 +18,22 @@ async fn a_pull_waits_for_capture() {
 }
 
 #[tokio::test]
+async fn a_standby_hears_the_leaders_fence_reports() {
+    let store = example_mem_store(17).await;
+    actors::testkit::a_standby_hears_the_leaders_fence_reports(&store).await;
+}
+
+/// The planted bug: commits tell no listener. The standby's pull then
+/// waits for its own bound, and the scenario fails.
+#[tokio::test]
+#[should_panic(expected = "woken by the leader's report")]
+async fn a_standby_that_hears_nothing_is_caught() {
+    let store = example_mem_store(19).await;
+    store.plant_fence_reports_withheld();
+    actors::testkit::a_standby_hears_the_leaders_fence_reports(&store).await;
+}
+
+#[tokio::test]
 async fn pull_state_conformance() {
     actors::testkit::pull_store_suite(&actors::store::MemStore::new()).await;
 }

@@ -33,6 +33,10 @@ use tokio::sync::mpsc;
 use tripwire::{CrashPoint, Tripwire};
 
 pub(crate) const SERVER: &str = "10.0.0.1:7000";
+/// A second server process on the same database, which never crashes:
+/// while the first leads capture it stands by, and it leads once the
+/// first is gone.
+pub(crate) const STANDBY: &str = "10.0.0.3:7000";
 pub(crate) const REQUEST: u64 = 1;
 pub(crate) const RESPONSE: u64 = 2;
 /// Largest datagram either side accepts.
@@ -100,6 +104,20 @@ where
         .init(server)
         .build();
     database
+}
+
+/// Starts the standby server node (at [`STANDBY`]) running `server`.
+pub(crate) fn start_standby<F, Fut>(server: F)
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + 'static,
+{
+    Handle::current()
+        .create_node()
+        .name("standby")
+        .ip("10.0.0.3".parse().expect("ip"))
+        .init(server)
+        .build();
 }
 
 /// Kills and restarts the server node `crashes` times, each after a pause
@@ -205,10 +223,23 @@ pub(crate) async fn serve_engine_with<F, Fut>(
     F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
 {
+    serve_engine_at(SERVER, config, tripwire, route).await;
+}
+
+/// [`serve_engine_with`], listening at `address`.
+pub(crate) async fn serve_engine_at<F, Fut>(
+    address: &str,
+    config: actors::config::SyncConfig,
+    tripwire: Option<Arc<Tripwire>>,
+    route: F,
+) where
+    F: Fn(actors::Engine, String, Vec<u8>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = actors::Reply> + Send + 'static,
+{
     let incarnation: u32 = thread_rng().r#gen();
     let store = remote::RemoteStore::new(incarnation as u64, tripwire);
     let engine = remote::start_engine_with(store, config).await;
-    let ep = Arc::new(Endpoint::bind(SERVER).await.expect("bind"));
+    let ep = Arc::new(Endpoint::bind(address).await.expect("bind"));
     let mut buf = vec![0u8; MAX_FRAME];
     loop {
         let Ok((n, from)) = ep.recv_from(REQUEST, &mut buf).await else {

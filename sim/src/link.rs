@@ -20,9 +20,14 @@ pub(crate) struct Link {
 impl Link {
     /// A link from a new endpoint; request IDs start after `first_id`.
     pub(crate) async fn bind(first_id: u64) -> Link {
+        Link::bind_to(first_id, SERVER).await
+    }
+
+    /// [`Link::bind`] to the server at `server`.
+    pub(crate) async fn bind_to(first_id: u64, server: &str) -> Link {
         Link {
             ep: Endpoint::bind("0.0.0.0:0").await.expect("bind"),
-            server: SERVER.parse().expect("address"),
+            server: server.parse().expect("address"),
             next_id: first_id,
             buf: vec![0u8; MAX_FRAME],
         }

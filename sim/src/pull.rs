@@ -81,6 +81,10 @@ pub struct PullScenario {
     pub mutant: Option<Mutant>,
     /// Mid-run, the slot is lost and an operator resets the stream (ADR 0012).
     pub reset: bool,
+    /// A second server process serves the odd clients: it stands by while
+    /// the first leads capture, hears its fence reports (ADR 0028), and
+    /// leads while the first is down.
+    pub standby: bool,
 }
 
 impl Default for PullScenario {
@@ -93,6 +97,7 @@ impl Default for PullScenario {
             server_crashes: 3,
             mutant: None,
             reset: false,
+            standby: false,
         }
     }
 }
@@ -157,6 +162,12 @@ fn note_key(k: usize) -> String {
 /// the first body byte names the endpoint.
 pub(crate) async fn server_main(tripwire: Arc<Tripwire>) {
     crate::serve_engine(Some(tripwire), route).await;
+}
+
+/// The standby server node: the same engine at [`crate::STANDBY`].
+async fn standby_main() {
+    let config = actors::testkit::example_config(|s| s);
+    crate::serve_engine_at(crate::STANDBY, config, None, route).await;
 }
 
 /// Answers one request frame: its first byte names the endpoint.
@@ -818,8 +829,9 @@ async fn client_main(
     store: MemStore,
     mutant: Option<Mutant>,
     trace: Arc<Mutex<PullTrace>>,
+    server: &'static str,
 ) -> Client {
-    let mut link = Link::bind((index as u64) << 40).await;
+    let mut link = Link::bind_to((index as u64) << 40, server).await;
     let client_id = format!("pull-client-{index}");
     let connect = json::to_canonical(&ConnectBody::fresh(&client_id).to_json());
     let (generation, body) = loop {
@@ -1120,6 +1132,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             server_main(tripwire.clone())
         })
     };
+    if scenario.standby {
+        crate::start_standby(standby_main);
+    }
     let trace = Arc::new(Mutex::new(PullTrace::default()));
     store
         .install_capture(&actors::capture::CapturePlan::new(&push_config()))
@@ -1159,6 +1174,11 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
         // The mutant lives in one client (the store's in the store; that
         // client then replays every rebuild page it gets).
         let mutant = if i == 0 { scenario.mutant } else { None };
+        let server = if scenario.standby && i % 2 == 1 {
+            crate::STANDBY
+        } else {
+            crate::SERVER
+        };
         tasks.push(node.spawn(client_main(
             i,
             user,
@@ -1166,6 +1186,7 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             store.clone(),
             mutant,
             trace.clone(),
+            server,
         )));
     }
     let crasher = {

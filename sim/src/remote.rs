@@ -21,7 +21,9 @@ use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
-use actors::store::{ClientRecord, MemStore, Store, StoreError, StoreTx};
+use actors::store::{
+    ClientRecord, FenceListener, FenceReport, MemStore, Store, StoreError, StoreTx,
+};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use madsim::net::Endpoint;
 use madsim::rand::{Rng, thread_rng};
@@ -166,6 +168,8 @@ enum Answer {
     Reread(Result<RereadChunk, StoreError>),
     /// The next transaction if one came, and the feed's source end.
     FeedNext(Result<FeedNext, StoreError>),
+    /// The next fence report, if one came within the poll.
+    Heard(Option<FenceReport>),
 }
 
 /// One operation on a change feed held open on the database node.
@@ -209,6 +213,15 @@ enum Request {
         seq: u64,
         op: FeedOp,
     },
+    /// Opens a listener for fence reports, like `LISTEN` on a connection.
+    Listen {
+        id: u64,
+    },
+    /// The listener's next report, waiting at most `FEED_POLL`.
+    Heard {
+        id: u64,
+        seq: u64,
+    },
 }
 
 /// Sends of one feed operation before its connection counts as lost.
@@ -245,6 +258,7 @@ pub async fn database_main(store: MemStore) {
     let mut open: BTreeMap<u64, mpsc::UnboundedSender<(u64, Op, SocketAddr)>> = BTreeMap::new();
     let mut feeds: BTreeMap<u64, mpsc::UnboundedSender<(u64, FeedOp, SocketAddr)>> =
         BTreeMap::new();
+    let mut listeners: BTreeMap<u64, mpsc::UnboundedSender<(u64, SocketAddr)>> = BTreeMap::new();
     loop {
         let Ok((payload, from)) = ep.recv_from_raw(DB_REQUEST).await else {
             continue;
@@ -303,7 +317,57 @@ pub async fn database_main(store: MemStore) {
                     let _ = s.send((seq, op, from));
                 }
             }
+            Request::Listen { id } => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                listeners.retain(|_, s| !s.is_closed());
+                listeners.insert(id, tx);
+                madsim::task::spawn(serve_listener(store.clone(), ep.clone(), from, id, rx));
+            }
+            Request::Heard { id, seq } => {
+                if let Some(s) = listeners.get(&id) {
+                    let _ = s.send((seq, from));
+                }
+            }
         }
+    }
+}
+
+/// One fence listener on the database node. Like a connection, it is a
+/// reliable stream that dies when its owner stays silent: a poll sent
+/// again is answered again from this copy, never with the next report.
+async fn serve_listener(
+    store: MemStore,
+    ep: Arc<Endpoint>,
+    owner: SocketAddr,
+    id: u64,
+    mut polls: mpsc::UnboundedReceiver<(u64, SocketAddr)>,
+) {
+    let mut listener = match store.fence_listener().await {
+        Ok(listener) => listener,
+        Err(e) => return reply(&ep, owner, id, 0, Answer::Unit(Err(e))).await,
+    };
+    reply(&ep, owner, id, 0, Answer::Unit(Ok(()))).await;
+    let mut last: Option<(u64, Option<FenceReport>)> = None;
+    loop {
+        let Ok(Some((seq, from))) = timeout(IDLE_TIMEOUT, polls.recv()).await else {
+            return;
+        };
+        if let Some((done, report)) = &last {
+            if seq < *done {
+                continue; // a stale retransmission
+            }
+            if seq == *done {
+                reply(&ep, from, id, seq, Answer::Heard(report.clone())).await;
+                continue;
+            }
+        }
+        let report = match timeout(FEED_POLL, listener.next()).await {
+            Ok(Ok(report)) => Some(report),
+            Ok(Err(_)) => Some(FenceReport::Missed),
+            Err(_) => None,
+        };
+        reply(&ep, from, id, seq, Answer::Heard(report.clone())).await;
+        last = Some((seq, report));
     }
 }
 
@@ -674,6 +738,21 @@ impl RemoteStore {
 impl Store for RemoteStore {
     type Tx = RemoteTx;
     type Feed = RemoteFeed;
+    type Fences = RemoteFenceListener;
+
+    async fn fence_listener(&self) -> Result<RemoteFenceListener, StoreError> {
+        let ep = Endpoint::bind("0.0.0.0:0").await.map_err(|_| lost())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        ep.send_to_raw(db, DB_REQUEST, Box::new(Request::Listen { id }))
+            .await
+            .map_err(|_| lost())?;
+        match answer(&ep, id, 0).await?.ok_or_else(lost)? {
+            Answer::Unit(Ok(())) => Ok(RemoteFenceListener { ep, id, seq: 0 }),
+            Answer::Unit(Err(e)) => Err(e),
+            _ => Err(mismatch()),
+        }
+    }
 
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
         let plan = plan.clone();
@@ -837,6 +916,46 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
 /// What one `next` on the database node answered: the transaction, the
 /// feed's source end, and its idle end.
 type FeedNext = (Option<Box<SourceTransaction>>, Lsn, Option<Lsn>);
+
+/// A fence listener held open on the database node.
+pub struct RemoteFenceListener {
+    ep: Endpoint,
+    id: u64,
+    seq: u64,
+}
+
+impl FenceListener for RemoteFenceListener {
+    async fn next(&mut self) -> Result<FenceReport, StoreError> {
+        let db: SocketAddr = DATABASE.parse().map_err(|_| lost())?;
+        loop {
+            self.seq += 1;
+            // Sent again (same sequence number) a few times before the
+            // connection counts as lost, as TCP would; a lost connection
+            // ends the listener, and the engine hears that reports were missed.
+            let mut heard = Err(lost());
+            for _ in 0..FEED_TRANSMISSIONS {
+                let request = Request::Heard {
+                    id: self.id,
+                    seq: self.seq,
+                };
+                self.ep
+                    .send_to_raw(db, DB_REQUEST, Box::new(request))
+                    .await
+                    .map_err(|_| lost())?;
+                heard =
+                    answer_within(&self.ep, self.id, self.seq, ANSWER_TIMEOUT + FEED_POLL).await;
+                if heard.is_ok() {
+                    break;
+                }
+            }
+            match heard?.ok_or_else(lost)? {
+                Answer::Heard(Some(report)) => return Ok(report),
+                Answer::Heard(None) => {}
+                _ => return Err(mismatch()),
+            }
+        }
+    }
+}
 
 /// A change feed held open on the database node.
 pub struct RemoteFeed {

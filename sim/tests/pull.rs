@@ -63,6 +63,42 @@ async fn pull_under_faults() {
     assert!(trace.rebuild_pages > 0, "scopes were rebuilt\n{reproduce}");
 }
 
+/// A second server process serves half the clients (ADR 0028): it stands
+/// by while the first leads capture and hears its fence reports, and it
+/// leads while the first is down. Every pull invariant holds for both,
+/// own writes included, under the same crashes and lossy links.
+#[madsim::test]
+async fn pull_beside_a_standby_under_faults() {
+    let reproduce = reproduce("pull_beside_a_standby_under_faults");
+    let scenario = PullScenario {
+        standby: true,
+        pulls_per_client: 16,
+        ..PullScenario::default()
+    };
+    let trace = run_clean(scenario, &reproduce).await;
+    eprintln!(
+        "pages {} changes {} accepted pushes {} capture_pending {} unavailable {} crashes {} retries {}",
+        trace.pages,
+        trace.changes,
+        trace.accepted.len(),
+        trace.capture_pending,
+        trace.unavailable,
+        trace.crashes,
+        trace.retries
+    );
+    assert!(trace.crashes >= 1, "the first server crashed\n{reproduce}");
+    for client in ["pull-client-0", "pull-client-1"] {
+        assert!(
+            trace.pulled.contains(client),
+            "{client} pulled (one per server)\n{reproduce}"
+        );
+    }
+    assert!(
+        (trace.accepted.iter()).any(|(c, _)| c == "pull-client-1" || c == "pull-client-3"),
+        "the standby accepted a push\n{reproduce}"
+    );
+}
+
 /// A planted bug must fail the run (each in its own simulated world).
 async fn caught(mutant: Mutant, test: &str) {
     let reproduce = reproduce(test);

@@ -11,6 +11,7 @@ mod baseline;
 pub mod capture;
 pub mod catalog;
 pub mod cluster;
+mod fences;
 mod frame;
 mod ledger;
 mod materialized;
@@ -238,6 +239,7 @@ pub struct PgTx {
 impl Store for PgStore {
     type Tx = PgTx;
     type Feed = PgFeed;
+    type Fences = fences::PgFenceListener;
 
     async fn install_capture(&self, plan: &CapturePlan) -> Result<(), StoreError> {
         capture::install(self, plan).await?;
@@ -278,6 +280,10 @@ impl Store for PgStore {
 
     async fn install_push(&self, targets: &[WriteTarget]) -> Result<(), StoreError> {
         push::install(self, targets).await
+    }
+
+    async fn fence_listener(&self) -> Result<fences::PgFenceListener, StoreError> {
+        self.listen_fences().await
     }
 
     async fn begin(&self) -> Result<PgTx, StoreError> {

@@ -292,16 +292,19 @@ async fn satisfy_fences(tx: &mut sqlx::PgConnection, fences: &[u64]) -> Result<(
         .iter()
         .map(|f| to_i64(*f))
         .collect::<Result<Vec<_>, _>>()?;
-    sqlx::query(
-        "WITH gone AS (DELETE FROM synchro.pending_fences WHERE fence = ANY($1) RETURNING fence) \
-         INSERT INTO synchro.satisfied_fences (fence) \
+    // Every process hears them at commit (ADR 0028), at no round trip of its own.
+    let sql = format!(
+        "WITH gone AS (DELETE FROM synchro.pending_fences WHERE fence = ANY($1) RETURNING fence), \
+         early AS (INSERT INTO synchro.satisfied_fences (fence) \
          SELECT f FROM unnest($1::int8[]) AS f WHERE f NOT IN (SELECT fence FROM gone) \
-         ON CONFLICT (fence) DO NOTHING",
-    )
-    .bind(fences)
-    .execute(tx)
-    .await
-    .map_err(db_error)?;
+         ON CONFLICT (fence) DO NOTHING) {}",
+        crate::fences::notify_satisfied()
+    );
+    sqlx::query(&sql)
+        .bind(fences)
+        .execute(tx)
+        .await
+        .map_err(db_error)?;
     Ok(())
 }
 

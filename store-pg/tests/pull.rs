@@ -25,6 +25,15 @@ async fn a_pull_waits_for_capture_without_a_connection() {
     actors::testkit::a_pull_waits_for_its_own_writes(&store, &store.with_connections(1)).await;
 }
 
+/// A process that does not lead capture hears the leader's commits
+/// through `LISTEN` (ADR 0028).
+#[tokio::test]
+async fn a_standby_hears_the_leaders_fence_reports() {
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "pull_standby").await;
+    actors::testkit::a_standby_hears_the_leaders_fence_reports(&store).await;
+}
+
 #[tokio::test]
 async fn pull_state_conformance() {
     let cluster = PgCluster::temp().unwrap();

@@ -7,8 +7,9 @@ mod mem;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 
-pub use mem::{MemFeed, MemStore, MemTx, SourceError};
+pub use mem::{MemFeed, MemFenceListener, MemStore, MemTx, SourceError};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::{Manifest, SchemaRef};
@@ -97,10 +98,29 @@ pub struct ClientRecord {
     pub registered_at: i64,
 }
 
+/// What a process hears of the fences capture satisfied, whichever
+/// process leads it (ADR 0028).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FenceReport {
+    /// A committed materialization satisfied these fences.
+    Satisfied(Arc<[u64]>),
+    /// Reports may have been lost (the listening connection was): any
+    /// fence may have been satisfied meanwhile.
+    Missed,
+}
+
+/// Fence reports from every process's capture on one database, in commit
+/// order, from when the listener was opened.
+pub trait FenceListener: Send {
+    /// The next report; waits for one. An error ends the listener.
+    fn next(&mut self) -> impl Future<Output = Result<FenceReport, StoreError>> + Send;
+}
+
 /// A database handle that opens transactions.
 pub trait Store: Clone + Send + Sync + 'static {
     type Tx: StoreTx;
     type Feed: ChangeFeed + 'static;
+    type Fences: FenceListener + 'static;
 
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
@@ -146,6 +166,12 @@ pub trait Store: Clone + Send + Sync + 'static {
         let store = self.clone();
         async move { Ok(store) }
     }
+
+    /// Listens for the fences that capture's commits satisfy, from every
+    /// process on this database (PostgreSQL: `LISTEN` on a connection of
+    /// its own). A process that does not lead capture wakes its waiting
+    /// requests by it.
+    fn fence_listener(&self) -> impl Future<Output = Result<Self::Fences, StoreError>> + Send;
 
     /// Prepares (idempotently) what push writes need: the writer role and
     /// its privileges on these tables.

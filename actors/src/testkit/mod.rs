@@ -23,9 +23,9 @@ pub use capture::{
 };
 pub use evolution::{config_after, config_before, rematerialization_suite};
 pub use pull::{
-    PullClient, a_pull_waits_for_its_own_writes, cursor_bindings, cursor_generation,
-    cursor_position, mint_cursor, note_row, origin_cursor, pull_note, pull_store_suite, pull_suite,
-    pull_suite_via,
+    PullClient, a_pull_waits_for_its_own_writes, a_standby_hears_the_leaders_fence_reports,
+    cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_row, origin_cursor,
+    pull_note, pull_store_suite, pull_suite, pull_suite_via,
 };
 pub use push::{
     NOW, NOW_TEXT, PushClient, batch_id, benchmark_limits, mutation, mutation_id, note_columns,

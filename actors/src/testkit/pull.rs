@@ -966,6 +966,25 @@ async fn capture_gates<W: CaptureWorld>(world: &W, node: &Node, feed: <W::S as S
     world.grant("cg-u", "team:cg", false).await;
 }
 
+/// The push config with `capture_wait_ms`, its capture installed, and the
+/// feed (capture's leadership) held by the test, past an empty baseline.
+async fn capture_held<S: Store>(
+    store: &S,
+    capture_wait_ms: u64,
+) -> (crate::config::SyncConfig, S::Feed) {
+    let mut config = push_config();
+    config.server.capture_wait_ms = capture_wait_ms;
+    store
+        .install_capture(&crate::capture::CapturePlan::new(&config))
+        .await
+        .unwrap();
+    let feed = store.change_feed().await.unwrap().unwrap();
+    (
+        config,
+        super::capture::complete_empty_baseline(store, feed).await,
+    )
+}
+
 /// A pull right after its client's push waits for capture instead of
 /// answering `503 capture_pending` (issue 28), and holds no connection
 /// while it waits: `requests` may be a store of one pooled connection,
@@ -973,15 +992,8 @@ async fn capture_gates<W: CaptureWorld>(world: &W, node: &Node, feed: <W::S as S
 /// capture's leadership (its own connections) until the other client is
 /// done; then the waiting pull answers 200 with the pushed row.
 pub async fn a_pull_waits_for_its_own_writes<S: Store>(store: &S, requests: &S) {
-    let mut config = push_config();
     // Long enough that only a broken wait could answer 503 here.
-    config.server.capture_wait_ms = 10_000;
-    store
-        .install_capture(&crate::capture::CapturePlan::new(&config))
-        .await
-        .unwrap();
-    let feed = store.change_feed().await.unwrap().unwrap();
-    let feed = super::capture::complete_empty_baseline(store, feed).await;
+    let (config, feed) = capture_held(store, 10_000).await;
     let engine = Engine::start(requests.clone(), config).await.unwrap();
     let mut a = PullClient::connect(requests, &engine, "vw-a", "vw-a-c").await;
     a.sync(10).await;
@@ -1000,6 +1012,58 @@ pub async fn a_pull_waits_for_its_own_writes<S: Store>(store: &S, requests: &S) 
         panic!("{page:?}")
     };
     assert_eq!(changes.len(), 1, "the pushed row: {page:?}");
+}
+
+/// A process that does not lead capture hears what the leader's capture
+/// satisfied (ADR 0028). Its pull right after its client's push waits for
+/// the push's fence, and answers 200 with the pushed row once another
+/// process's capture materializes it: long before its own bound, which
+/// only a report can cut short.
+pub async fn a_standby_hears_the_leaders_fence_reports<S: Store>(store: &S) {
+    use std::time::Duration;
+    let (config, feed) = capture_held(store, 600_000).await;
+    // The standby tries to lead once, finds the test leading, and does not
+    // try again within the test.
+    let mut standby_config = config.clone();
+    standby_config.capture.retry_ms = 3_600_000;
+    let standby = Engine::start(store.clone(), standby_config).await.unwrap();
+    for _ in 0..500 {
+        if standby.capture_status() == crate::materializer::CaptureStatus::Standby {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        standby.capture_status(),
+        crate::materializer::CaptureStatus::Standby
+    );
+    let mut a = PullClient::connect(store, &standby, "sb-a", "sb-a-c").await;
+    a.sync(10).await;
+    let (s, r) = a.push_note(9201, 9201).await;
+    assert_eq!(s, 200, "{r:?}");
+    assert!(super::push::outcome(&r, 1).0, "{r:?}");
+    let waiting = tokio::time::timeout(Duration::from_secs(15), a.send(a.body(10)));
+    let leading = async {
+        // Let the pull find its fence pending and begin to wait.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(feed);
+        Engine::start(store.clone(), config.clone()).await.unwrap()
+    };
+    let (answer, leader) = tokio::join!(waiting, leading);
+    let (status, page, _) =
+        answer.expect("the standby's pull was woken by the leader's report, not its own bound");
+    assert_eq!(status, 200, "{page:?}");
+    let Value::Array(changes) = &page.as_object().unwrap()["changes"] else {
+        panic!("{page:?}")
+    };
+    assert_eq!(changes.len(), 1, "the pushed row: {page:?}");
+    assert!(
+        matches!(
+            leader.capture_status(),
+            crate::materializer::CaptureStatus::Running { .. }
+        ),
+        "the other process leads"
+    );
 }
 
 /// Past the page permits, a valid pull answers 429 with Retry-After; an

@@ -15,9 +15,9 @@ use protocol::ids::{CanonicalUuid, ScopeId};
 use protocol::manifest::Manifest;
 use protocol::position::{Boundary, StreamPosition};
 use protocol::token::{KeyState, TokenKey};
-use tokio::sync::{Mutex, OwnedMutexGuard, watch};
+use tokio::sync::{Mutex, OwnedMutexGuard, broadcast, watch};
 
-use super::{ClientRecord, Store, StoreError, StoreTx};
+use super::{ClientRecord, FenceListener, FenceReport, Store, StoreError, StoreTx};
 use crate::capture::{
     CaptureHealth, CapturePlan, CaptureProblem, CaptureProgress, DependencyRow, Effect, Heartbeat,
     Materialization, Projection, Quarantine, Rematerialization,
@@ -72,7 +72,15 @@ pub struct MemStore {
     failing_checkpoint_commits: Arc<AtomicUsize>,
     /// See [`MemStore::lag_fence_visibility`]; 0 is none.
     fence_visibility_lag_ms: Arc<AtomicU64>,
+    /// What every listener hears: the fences each commit satisfied.
+    fence_reports: broadcast::Sender<Arc<[u64]>>,
+    /// A planted bug: commits tell listeners nothing.
+    fence_reports_withheld: Arc<AtomicBool>,
 }
+
+/// Reports a listener may fall behind by before it hears
+/// [`FenceReport::Missed`].
+const FENCE_REPORT_BACKLOG: usize = 1024;
 
 impl Default for MemStore {
     fn default() -> MemStore {
@@ -110,7 +118,15 @@ impl MemStore {
             leader: Arc::new(AtomicBool::new(false)),
             failing_checkpoint_commits: Arc::new(AtomicUsize::new(0)),
             fence_visibility_lag_ms: Arc::new(AtomicU64::new(0)),
+            fence_reports: broadcast::channel(FENCE_REPORT_BACKLOG).0,
+            fence_reports_withheld: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Plants a bug: commits that satisfy fences tell no listener, so a
+    /// process that does not lead capture never hears of them.
+    pub fn plant_fence_reports_withheld(&self) {
+        self.fence_reports_withheld.store(true, Ordering::SeqCst);
     }
 
     /// The current version of a registered row and whether it was hard-deleted
@@ -357,11 +373,31 @@ pub struct MemTx {
     /// The store's lost-slot flag, which a stream reset clears at commit.
     slot_lost: Arc<AtomicBool>,
     fence_visibility_lag_ms: Arc<AtomicU64>,
+    /// The fences this transaction satisfied, told to listeners at commit.
+    satisfied: Vec<u64>,
+    fence_reports: Option<broadcast::Sender<Arc<[u64]>>>,
+}
+
+/// A [`MemStore`]'s fence reports, as one listener hears them.
+pub struct MemFenceListener {
+    receiver: broadcast::Receiver<Arc<[u64]>>,
+}
+
+impl FenceListener for MemFenceListener {
+    async fn next(&mut self) -> Result<FenceReport, StoreError> {
+        match self.receiver.recv().await {
+            Ok(fences) => Ok(FenceReport::Satisfied(fences)),
+            Err(broadcast::error::RecvError::Lagged(_)) => Ok(FenceReport::Missed),
+            // The store holds the sender: it never closes while a listener lives.
+            Err(broadcast::error::RecvError::Closed) => std::future::pending().await,
+        }
+    }
 }
 
 impl Store for MemStore {
     type Tx = MemTx;
     type Feed = MemFeed;
+    type Fences = MemFenceListener;
 
     async fn begin(&self) -> Result<MemTx, StoreError> {
         let guard = self.state.clone().lock_owned().await;
@@ -375,6 +411,15 @@ impl Store for MemStore {
             failing_checkpoint_commits: self.failing_checkpoint_commits.clone(),
             slot_lost: self.slot_lost.clone(),
             fence_visibility_lag_ms: self.fence_visibility_lag_ms.clone(),
+            satisfied: Vec::new(),
+            fence_reports: (!self.fence_reports_withheld.load(Ordering::SeqCst))
+                .then(|| self.fence_reports.clone()),
+        })
+    }
+
+    async fn fence_listener(&self) -> Result<MemFenceListener, StoreError> {
+        Ok(MemFenceListener {
+            receiver: self.fence_reports.subscribe(),
         })
     }
 
@@ -619,7 +664,9 @@ impl StoreTx for MemTx {
     }
 
     async fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
-        MemTx::materialize(self, m)
+        MemTx::materialize(self, m)?;
+        self.satisfied.extend_from_slice(&m.fences);
+        Ok(())
     }
 
     async fn reset_stream(&mut self) -> Result<u64, StoreError> {
@@ -636,7 +683,9 @@ impl StoreTx for MemTx {
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
-        MemTx::complete_baseline(self, covered_fences)
+        MemTx::complete_baseline(self, covered_fences)?;
+        self.satisfied.extend_from_slice(covered_fences);
+        Ok(())
     }
 
     async fn quarantine(
@@ -1052,6 +1101,8 @@ impl StoreTx for MemTx {
             log_len: sender,
             slot_lost,
             fence_visibility_lag_ms,
+            satisfied,
+            fence_reports,
             ..
         } = self;
         let lag = fence_visibility_lag_ms.load(Ordering::SeqCst);
@@ -1072,6 +1123,10 @@ impl StoreTx for MemTx {
         *guard = work;
         if let Some(n) = log_len {
             sender.send_replace(n);
+        }
+        if let Some(reports) = fence_reports.filter(|_| !satisfied.is_empty()) {
+            // No listener is no one to tell.
+            let _ = reports.send(satisfied.into());
         }
         if !unseen.is_empty() {
             // Decoded, not yet visible: until capture has materialized this
