@@ -285,6 +285,10 @@ pub struct ServerConfig {
     /// capture_pending`; zero answers at once.
     #[serde(default = "default_capture_wait_ms")]
     pub capture_wait_ms: u64,
+    /// Connections of the pool that pushes, pulls, rebuilds and connects
+    /// share (capture and the fence listener have their own).
+    #[serde(default = "default_database_connections")]
+    pub database_connections: u32,
 }
 
 impl Default for ServerConfig {
@@ -297,8 +301,15 @@ impl Default for ServerConfig {
             header_timeout_ms: default_header_timeout_ms(),
             body_timeout_ms: default_body_timeout_ms(),
             capture_wait_ms: default_capture_wait_ms(),
+            database_connections: default_database_connections(),
         }
     }
+}
+
+/// Enough for the default 12 pull pages and a few pushes beside them, and
+/// well below PostgreSQL's default `max_connections` of 100 for two processes.
+fn default_database_connections() -> u32 {
+    16
 }
 
 /// Well below the usual open-file limit (1024 soft is common: raise it).
@@ -606,6 +617,9 @@ impl SyncConfig {
         self.retention.check().map_err(ConfigError)?;
         if !(1..=1024).contains(&self.server.pull_pages) {
             return err("server.pull_pages must be within 1..=1024");
+        }
+        if !(1..=1024).contains(&self.server.database_connections) {
+            return err("server.database_connections must be within 1..=1024");
         }
         let sv = &self.server;
         if sv.max_connections == 0 || sv.header_timeout_ms == 0 || sv.body_timeout_ms == 0 {
@@ -1176,6 +1190,17 @@ mod validation_tests {
             },
             "capture.rematerialize_chunk_rows must be 1..=10000",
         );
+        for connections in [0, 1025] {
+            rejects(
+                |s| {
+                    s.replace(
+                        "[server]",
+                        &format!("[server]\ndatabase_connections = {connections}"),
+                    )
+                },
+                "server.database_connections must be within 1..=1024",
+            );
+        }
         for share in [0, 101] {
             rejects(
                 |s| {

@@ -12,6 +12,7 @@
 //! SYNCHRO_LOAD_ABUSE=1 SYNCHRO_LOAD_FLOODS=push,slow ...  # only some of the floods
 //! SYNCHRO_LOAD_LIMITS="pages_per_user = 2; flood_burst_per_user = 90" ...  # other limits
 //! SYNCHRO_LOAD_SOAK=1 SYNCHRO_LOAD_CLIENTS=100 SYNCHRO_LOAD_SECONDS=600 cargo bench -p server --bench load
+//! SYNCHRO_LOAD_DB_CONNECTIONS=32 ...  # the requests' database pool ([server] database_connections)
 //! ```
 //!
 //! The soak profile (issue 25) keeps 10,000 notes (100 per device) changing:
@@ -587,7 +588,10 @@ async fn run(
         .await
         .unwrap();
     }
-    let cap = format!("[server]\nmax_connections = {}", 2 * clients + 64);
+    let mut cap = format!("[server]\nmax_connections = {}", 2 * clients + 64);
+    if let Ok(n) = std::env::var("SYNCHRO_LOAD_DB_CONNECTIONS") {
+        cap.push_str(&format!("\ndatabase_connections = {n}"));
+    }
     // Compaction every 10 s, or (to compare) never in the run.
     let retention = match soak {
         Some(Soak { compaction: true }) => "\n[retention]\ncompact_interval_seconds = 10\n",

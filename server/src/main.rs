@@ -908,6 +908,8 @@ async fn serve(
                 p.join("\n  ")
             )
         })?;
+    // The requests' pool at its configured size; capture keeps its own.
+    let store = store.with_connections(config.server.database_connections);
     let auth = Authenticator::from_config(&config.auth).await?;
     let engine = Engine::start(store.clone(), config.clone())
         .await

@@ -311,6 +311,15 @@ fn value(text: &str, series: &str) -> f64 {
 async fn metrics_are_scraped_parsed_and_follow_capture() {
     let cluster = PgCluster::temp().unwrap();
     let (dir, url, pool) = setup(&cluster, "metrics").await;
+    // A pool of its own size, which the gauge reports.
+    let config = dir.path().join("config.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("[server]\n"));
+    std::fs::write(
+        &config,
+        text.replacen("[server]\n", "[server]\ndatabase_connections = 7\n", 1),
+    )
+    .unwrap();
     let server = serve(dir.path(), &url, true);
     let metrics = server.metrics.unwrap();
     wait_ready(server.addr).await;
@@ -337,7 +346,11 @@ async fn metrics_are_scraped_parsed_and_follow_capture() {
     ] {
         assert!(sample(&text, name).is_some(), "{name} in\n{text}");
     }
-    assert!(value(&text, "synchro_db_pool_connections{state=\"max\"}") >= 1.0);
+    assert_eq!(
+        value(&text, "synchro_db_pool_connections{state=\"max\"}"),
+        7.0,
+        "[server] database_connections"
+    );
     // Every metric the shipped alerts and dashboard use is exported.
     for file in ["alerts.yml", "grafana-dashboard.json"] {
         let path = format!("{}/../docs/ops/{file}", env!("CARGO_MANIFEST_DIR"));
