@@ -909,7 +909,10 @@ async fn serve(
             )
         })?;
     // The requests' pool at its configured size; capture keeps its own.
-    let store = store.with_connections(config.server.database_connections);
+    // The pool that set the database up closes its connections.
+    let sized = store.with_connections(config.server.database_connections);
+    store.pool().close().await;
+    let store = sized;
     let auth = Authenticator::from_config(&config.auth).await?;
     let engine = Engine::start(store.clone(), config.clone())
         .await
