@@ -745,6 +745,22 @@ impl SyncConfig {
             }
             t.validate()?;
         }
+        // A `via` relation's rows are dependency rows, read before the
+        // tables they decide (ADR 0020, ADR 0030); a registered table's
+        // are its own rows. One relation cannot be both.
+        let registered: BTreeSet<&String> = self.tables.iter().map(|t| &t.relation).collect();
+        for t in &self.tables {
+            for rule in &t.scopes {
+                if let MembershipRule::Dependency { via, .. } = rule
+                    && registered.contains(via)
+                {
+                    return err(format!(
+                        "table {}: via relation `{via}` is a registered table",
+                        t.table_id
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 
@@ -1027,6 +1043,10 @@ mod validation_tests {
                 )
             },
             "table tbl_templates: relation_id `rel_notes` is used twice",
+        );
+        rejects(
+            |s| s.replace("via = \"public.note_shares\"", "via = \"public.templates\""),
+            "table tbl_notes: via relation `public.templates` is a registered table",
         );
         rejects(
             |s| {

@@ -54,6 +54,14 @@ async fn existing_rows_arrive_as_the_baseline() {
 }
 
 #[tokio::test]
+async fn a_baseline_cut_short_is_handed_over() {
+    actors::testkit::baseline_cut_short_is_handed_over(&Mem {
+        store: actors::testkit::example_mem_store(16).await,
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_stream_reset_recovers_a_lost_slot() {
     actors::testkit::stream_reset_recovers(
         &Mem {

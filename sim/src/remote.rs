@@ -82,6 +82,7 @@ enum Op {
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
     Quarantine(Quarantine, u64),
+    RecordBaselineChunk(u64),
     CompleteBaseline(Vec<u64>),
     Rematerializations,
     PutRematerializations(Vec<Rematerialization>),
@@ -541,6 +542,7 @@ async fn transaction(
             ),
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q, g) => (Answer::Unit(tx.quarantine(&q, g).await), false),
+            Op::RecordBaselineChunk(i) => (Answer::Unit(tx.record_baseline_chunk(i).await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
             Op::ForgetTable(t) => (Answer::Count(tx.forget_table(&t).await), false),
             Op::Rematerializations => (
@@ -907,6 +909,8 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
         Op::StagedRows(_, 0, _) => Some(CrashPoint::FirstPage),
         Op::StagedRows(..) => Some(CrashPoint::LaterPage),
         Op::CompleteBaseline(_) => Some(CrashPoint::MidBaseline),
+        // A chunk after the first: those before it committed.
+        Op::RecordBaselineChunk(i) if *i > 0 => Some(CrashPoint::BaselineCutShort),
         Op::RecordPush(_) => Some(CrashPoint::MidPush),
         Op::PutCheckpoints(..) => Some(CrashPoint::MidPull),
         _ => None,
@@ -1282,6 +1286,10 @@ impl StoreTx for RemoteTx {
             Answer::Generation(r) => r,
             _ => Err(mismatch()),
         }
+    }
+
+    async fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        self.unit(Op::RecordBaselineChunk(index)).await
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {

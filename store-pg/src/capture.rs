@@ -208,18 +208,54 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
     verify(store, plan).await
 }
 
-/// The stream's slot as recorded: where its stream began, and whether its
-/// baseline is materialized (until then it is a candidate).
+/// The stream's slot as recorded: whether its baseline is materialized
+/// (until then it is a candidate), and how many of the baseline's chunks
+/// committed.
 struct SlotRecord {
     baseline_done: bool,
+    baseline_chunks: i64,
 }
 
 async fn slot_record(store: &PgStore) -> Result<Option<SlotRecord>, StoreError> {
-    let done: Option<bool> = sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-        .fetch_optional(&store.pool)
-        .await
-        .map_err(db_error)?;
-    Ok(done.map(|baseline_done| SlotRecord { baseline_done }))
+    let row: Option<(bool, i64)> =
+        sqlx::query_as("SELECT baseline_done, baseline_chunks FROM synchro.capture_slot")
+            .fetch_optional(&store.pool)
+            .await
+            .map_err(db_error)?;
+    Ok(row.map(|(baseline_done, baseline_chunks)| SlotRecord {
+        baseline_done,
+        baseline_chunks,
+    }))
+}
+
+/// A baseline cut short after some chunk committed (ADR 0030): the slot is
+/// kept and the stream begins at its consistent point. The records those
+/// chunks committed owe the rows not yet read to re-reads, and a chunk's
+/// quarantine (below the stream, never delivered again) is lifted for the
+/// re-read to meet its row anew.
+async fn hand_over_baseline(store: &PgStore) -> Result<(), StoreError> {
+    let mut tx = store.pool.begin().await.map_err(db_error)?;
+    let handed = sqlx::query(
+        "UPDATE synchro.capture_slot SET baseline_done = true \
+         WHERE NOT baseline_done AND baseline_chunks > 0",
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    if handed.rows_affected() != 1 {
+        return Err(StoreError::Integrity(
+            "no baseline cut short to hand over".into(),
+        ));
+    }
+    sqlx::query(
+        "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    tx.commit().await.map_err(db_error)?;
+    tracing::info!("baseline: cut short by a crash; the rows not yet read are re-read");
+    Ok(())
 }
 
 /// Whether a slot of the stream's name exists in this database.
@@ -265,7 +301,8 @@ async fn create_candidate_slot(
     sqlx::query(
         "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn, baseline_done) \
          VALUES ($1, 0, false) ON CONFLICT (singleton) DO UPDATE \
-         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0, idle_confirmed_lsn = 0 \
+         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0, idle_confirmed_lsn = 0, \
+           baseline_chunks = 0 \
          WHERE NOT synchro.capture_slot.baseline_done",
     )
     .bind(slot)
@@ -535,6 +572,10 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
     };
     let slot = t.slot();
     let owed = match slot_record(store).await? {
+        Some(r) if !r.baseline_done && r.baseline_chunks > 0 => {
+            hand_over_baseline(store).await?;
+            false
+        }
         Some(r) => !r.baseline_done,
         None => !adopt_unrecorded_slot(store, &slot).await?,
     };

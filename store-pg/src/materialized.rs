@@ -396,7 +396,8 @@ impl PgTx {
             "UPDATE synchro.rebuild_sessions SET swept = true WHERE NOT swept",
             "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
              quarantine_lsn = NULL, quarantine_class = NULL",
-            "UPDATE synchro.capture_slot SET baseline_done = false, idle_confirmed_lsn = 0",
+            "UPDATE synchro.capture_slot SET baseline_done = false, baseline_chunks = 0, \
+             idle_confirmed_lsn = 0",
         ] {
             sqlx::query(sql)
                 .execute(&mut *self.tx)
@@ -757,6 +758,24 @@ impl PgTx {
         }
         write_rematerializations(tx, &m.rematerialized).await?;
         satisfy_fences(tx, &m.fences).await
+    }
+
+    pub(crate) async fn write_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        let index = i64::try_from(index).map_err(|_| integrity("a baseline chunk's index"))?;
+        let moved = sqlx::query(
+            "UPDATE synchro.capture_slot SET baseline_chunks = $1 + 1 \
+             WHERE NOT baseline_done AND baseline_chunks = $1",
+        )
+        .bind(index)
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if moved.rows_affected() != 1 {
+            return Err(StoreError::Integrity(
+                "baseline chunks commit in order, while the baseline is owed".into(),
+            ));
+        }
+        Ok(())
     }
 
     pub(crate) async fn write_baseline_done(

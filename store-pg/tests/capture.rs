@@ -282,6 +282,17 @@ async fn existing_rows_arrive_as_the_baseline_on_postgres() {
     actors::testkit::baseline_adopts_existing_rows(&world).await;
 }
 
+/// A baseline cut short after its first chunk (the shared suite, ADR
+/// 0030): the slot is kept, and the rows not yet read are re-read.
+#[tokio::test]
+async fn a_baseline_cut_short_is_handed_over_on_postgres() {
+    let cluster = PgCluster::temp().unwrap();
+    let world = Pg {
+        store: example_store(&cluster, "cutshort").await,
+    };
+    actors::testkit::baseline_cut_short_is_handed_over(&world).await;
+}
+
 /// The operator stream reset on PostgreSQL (the shared suite): out of a
 /// slot dropped by hand, and out of a TRUNCATE nothing can repair.
 #[tokio::test]

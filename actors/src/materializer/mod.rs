@@ -294,18 +294,6 @@ async fn lead<S: Store>(
     if superseded(model, &records) {
         return give_way(status);
     }
-    let mut rereading = reread::Rereading::new(
-        records,
-        model,
-        limits.rematerialize_chunk_rows,
-        limits.rematerialize_share,
-    );
-    if rereading.owed() > 0 {
-        tracing::info!(
-            relations = rereading.owed(),
-            "capture: rematerializing relations whose model changed"
-        );
-    }
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
@@ -353,6 +341,20 @@ async fn lead<S: Store>(
                 return Ok(()); // the next feed takes the baseline again
             }
         }
+    }
+    // The baseline moves the records; a baseline cut by a crash left the
+    // rows it had not read owed to re-reads (ADR 0030).
+    let mut rereading = reread::Rereading::new(
+        records_now(store).await?,
+        model,
+        limits.rematerialize_chunk_rows,
+        limits.rematerialize_share,
+    );
+    if rereading.owed() > 0 {
+        tracing::info!(
+            relations = rereading.owed(),
+            "capture: re-reading relations (a changed model, or a baseline cut short)"
+        );
     }
     let mut caught_up = Instant::now();
     let mut meter = CatchUpMeter::default();

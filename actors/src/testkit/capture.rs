@@ -54,6 +54,12 @@ pub trait CaptureWorld {
     /// Fault injection: the replication slot is dropped behind the
     /// server's back (as by hand, or invalidated by `max_slot_wal_keep_size`).
     async fn lose_slot(&self);
+    /// Fault injection: the transaction that commits baseline chunk
+    /// `index` fails once at its commit, as a crash there would; the
+    /// chunks before it stay committed (ADR 0030).
+    async fn cut_baseline_at(&self, index: u64);
+    /// Whether the cut `cut_baseline_at` injected has failed its commit.
+    async fn baseline_was_cut(&self) -> bool;
 }
 
 /// The capture world of MemStore: application writes straight into its source relations.
@@ -125,6 +131,14 @@ impl CaptureWorld for MemWorld {
 
     async fn fail_checkpoint_commits(&self, n: usize) {
         self.store.fail_checkpoint_commits(n);
+    }
+
+    async fn cut_baseline_at(&self, index: u64) {
+        self.store.cut_baseline_at(index).await;
+    }
+
+    async fn baseline_was_cut(&self) -> bool {
+        self.store.baseline_was_cut().await
     }
 }
 

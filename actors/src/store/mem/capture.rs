@@ -82,6 +82,14 @@ pub(super) struct CaptureState {
     pub(super) baseline_versions: BTreeMap<String, String>,
     /// A planted bug: the baseline leaves out the dependency relations.
     pub(super) baseline_without_dependencies: bool,
+    /// Chunks of the owed baseline committed (ADR 0030).
+    baseline_chunks: u64,
+    /// A planted bug: a baseline cut short is handed over with nothing
+    /// owed, so the rows it had not read are never materialized.
+    pub(super) handover_forgets_rows: bool,
+    /// A fault a test injects: the transaction of this baseline chunk fails,
+    /// once, as a crash before its commit would (ADR 0030).
+    pub(super) cut_baseline_at: Option<u64>,
     /// A planted bug: compaction deletes an effect above the floor.
     pub(super) compact_above_floor: bool,
     /// The open transaction's WAL.
@@ -154,6 +162,9 @@ impl CaptureState {
             baseline_span: None,
             baseline_versions: BTreeMap::new(),
             baseline_without_dependencies: false,
+            baseline_chunks: 0,
+            handover_forgets_rows: false,
+            cut_baseline_at: None,
             compact_above_floor: false,
             pending: None,
             progress: CaptureProgress {
@@ -221,6 +232,7 @@ impl CaptureState {
         let mut events = Vec::new();
         let mut notes = Vec::new();
         self.baseline_versions.clear();
+        self.baseline_chunks = 0; // a new candidate slot
         let dependencies = match self.baseline_without_dependencies {
             false => plan.dependencies.keys().collect(),
             true => Vec::new(),
@@ -360,7 +372,31 @@ impl CaptureState {
             };
         }
         self.baseline_span = None;
+        self.baseline_chunks = 0;
         self.slot_lost = false;
+    }
+
+    /// A feed opens while the baseline is owed. Before any chunk of it
+    /// committed, the slot is a candidate: its baseline is exported
+    /// again. After one, the slot is kept and the baseline handed over
+    /// (ADR 0030): the stream begins, the records its chunks committed owe
+    /// the rows not yet read to re-reads, and the quarantine of a chunk
+    /// (below the stream, never delivered again) is lifted for the re-read
+    /// to meet its row anew. `None` when it was handed over.
+    fn open_baseline(
+        &mut self,
+    ) -> Result<Option<(Baseline, VecDeque<SourceTransaction>)>, StoreError> {
+        if self.baseline_chunks == 0 {
+            return self.export_baseline().map(Some);
+        }
+        self.progress.baseline_owed = false;
+        self.progress.quarantine = None;
+        if self.handover_forgets_rows {
+            for r in self.rematerializations.values_mut() {
+                r.pending = false;
+            }
+        }
+        Ok(None)
     }
 
     /// Drops the unacknowledged WAL (with the slot that retained it).
@@ -846,6 +882,22 @@ impl MemTx {
         Ok(())
     }
 
+    pub(super) fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        // The fault is spent outside the transaction, as a sequence is.
+        let cut = &mut self.guard.capture.cut_baseline_at;
+        if cut.take_if(|i| *i == index).is_some() {
+            return Err(StoreError::Unavailable("the connection was lost".into()));
+        }
+        let c = &mut self.work.capture;
+        if !c.progress.baseline_owed || index != c.baseline_chunks {
+            return Err(StoreError::Integrity(
+                "baseline chunks commit in order, while the baseline is owed".into(),
+            ));
+        }
+        c.baseline_chunks = index + 1;
+        Ok(())
+    }
+
     pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         let c = &mut self.work.capture;
         if !c.progress.baseline_owed {
@@ -1006,10 +1058,10 @@ impl MemFeed {
             let c = &mut state.capture;
             let (baseline, chunks) = match c.progress.baseline_owed {
                 false => (None, VecDeque::new()),
-                true => {
-                    let (b, chunks) = c.export_baseline()?;
-                    (Some(b), chunks)
-                }
+                true => match c.open_baseline()? {
+                    Some((b, chunks)) => (Some(b), chunks),
+                    None => (None, VecDeque::new()),
+                },
             };
             (c.slot_ack, baseline, chunks)
         };
