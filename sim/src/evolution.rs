@@ -106,7 +106,7 @@ pub struct EvolutionTrace {
     /// How the old deploy's process fared when it restarted after the
     /// deploy: `Some(true)` refused, `Some(false)` started.
     pub replaced_refused: Option<bool>,
-    /// The server crashed with the baseline cut short (ADR 0030).
+    /// A crash cut the baseline short, and it was handed over (ADR 0030).
     pub baseline_cut_short: bool,
     /// Before the deploy, with existing rows: the notes not held in
     /// their owner's scope (`invariants::evolution::check_owned_notes`).
@@ -590,14 +590,12 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         .map_err(|e| e.to_string())?;
     // The crashes begin with the baseline (a tripwire in it, when rows exist).
     let crashes = Arc::new(AtomicUsize::new(0));
-    let cut_short = Arc::new(AtomicBool::new(false));
     let crasher = {
-        let (crashes, cut_short) = (crashes.clone(), cut_short.clone());
-        crate::crash_server(4, 150..900, Some(trips), move |cause| {
+        let crashes = crashes.clone();
+        // A random crash after the first chunk cuts the baseline short
+        // too; the tripwire makes sure one does.
+        crate::crash_server(4, 150..900, Some(trips), move |_| {
             crashes.fetch_add(1, Ordering::Relaxed);
-            if cause == Some(CrashPoint::BaselineCutShort) {
-                cut_short.store(true, Ordering::Relaxed);
-            }
         })
     };
     stream_begun(&store).await?;
@@ -686,10 +684,11 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         settled(&store, store.last_commit_lsn().await).await?;
         // Quiescence: the link heals and every device syncs to the end.
         NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
+        let baseline_cut_short = store.baseline_handovers().await > 0;
         let mut trace = EvolutionTrace {
             crashes: crashes.load(Ordering::Relaxed),
             replaced_refused: *replaced.lock().unwrap(),
-            baseline_cut_short: cut_short.load(Ordering::Relaxed),
+            baseline_cut_short,
             unowned_before,
             ..EvolutionTrace::default()
         };

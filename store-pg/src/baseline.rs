@@ -121,10 +121,17 @@ pub(crate) async fn start(
             Ok(()) => chunker.finish().await,
             Err(e) => Err(e),
         };
-        if let Err(e) = result {
-            let _ = chunker.send.send(Err(e)).await;
+        match result {
+            Ok(()) => {
+                let _ = conn.execute("COMMIT").await;
+            }
+            // A reader stopped mid-COPY (the baseline ended early, or
+            // failed) closes its connection, and the snapshot with it.
+            Err(e) => {
+                let _ = chunker.send.send(Err(e)).await;
+                drop(conn);
+            }
         }
-        let _ = conn.execute("COMMIT").await;
     });
     Ok(BaselineReader {
         baseline,

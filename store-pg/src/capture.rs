@@ -228,36 +228,6 @@ async fn slot_record(store: &PgStore) -> Result<Option<SlotRecord>, StoreError> 
     }))
 }
 
-/// A baseline cut short after some chunk committed (ADR 0030): the slot is
-/// kept and the stream begins at its consistent point. The records those
-/// chunks committed owe the rows not yet read to re-reads, and a chunk's
-/// quarantine (below the stream, never delivered again) is lifted for the
-/// re-read to meet its row anew.
-async fn hand_over_baseline(store: &PgStore) -> Result<(), StoreError> {
-    let mut tx = store.pool.begin().await.map_err(db_error)?;
-    let handed = sqlx::query(
-        "UPDATE synchro.capture_slot SET baseline_done = true \
-         WHERE NOT baseline_done AND baseline_chunks > 0",
-    )
-    .execute(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    if handed.rows_affected() != 1 {
-        return Err(StoreError::Integrity(
-            "no baseline cut short to hand over".into(),
-        ));
-    }
-    sqlx::query(
-        "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
-    )
-    .execute(&mut *tx)
-    .await
-    .map_err(db_error)?;
-    tx.commit().await.map_err(db_error)?;
-    tracing::info!("baseline: cut short by a crash; the rows not yet read are re-read");
-    Ok(())
-}
-
 /// Whether a slot of the stream's name exists in this database.
 async fn slot_exists(store: &PgStore, slot: &str) -> Result<bool, StoreError> {
     sqlx::query_scalar(
@@ -572,11 +542,9 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
     };
     let slot = t.slot();
     let owed = match slot_record(store).await? {
-        Some(r) if !r.baseline_done && r.baseline_chunks > 0 => {
-            hand_over_baseline(store).await?;
-            false
-        }
-        Some(r) => !r.baseline_done,
+        // A chunk committed: the slot is kept, and the materializer hands
+        // the baseline over to re-reads (ADR 0030).
+        Some(r) => !r.baseline_done && r.baseline_chunks == 0,
         None => !adopt_unrecorded_slot(store, &slot).await?,
     };
     let (client, reader) = if owed {
@@ -790,6 +758,12 @@ impl PgFeed {
 impl ChangeFeed for PgFeed {
     fn baseline(&self) -> Option<&Baseline> {
         self.baseline.as_ref()
+    }
+
+    async fn end_baseline(&mut self) {
+        // The reader stops at its next chunk and its snapshot ends with it.
+        self.chunks = None;
+        self.baseline = None;
     }
 
     async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {

@@ -573,6 +573,10 @@ impl StoreTx for PgTx {
         self.write_baseline_chunk(index).await
     }
 
+    async fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        self.write_baseline_handed_over().await
+    }
+
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         self.write_baseline_done(covered_fences).await
     }

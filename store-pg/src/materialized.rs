@@ -778,6 +778,28 @@ impl PgTx {
         Ok(())
     }
 
+    pub(crate) async fn write_baseline_handed_over(&mut self) -> Result<(), StoreError> {
+        let handed = sqlx::query(
+            "UPDATE synchro.capture_slot SET baseline_done = true \
+             WHERE NOT baseline_done AND baseline_chunks > 0",
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        if handed.rows_affected() != 1 {
+            return Err(StoreError::Integrity(
+                "no baseline with a chunk committed to hand over".into(),
+            ));
+        }
+        sqlx::query(
+            "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
+        )
+        .execute(&mut *self.tx)
+        .await
+        .map_err(db_error)?;
+        Ok(())
+    }
+
     pub(crate) async fn write_baseline_done(
         &mut self,
         covered_fences: &[u64],

@@ -7,7 +7,7 @@ use actors::capture::CaptureProblem;
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
 use actors::testkit::{
-    CaptureWorld, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
+    CaptureWorld, HandOver, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
     truncate_blocks,
 };
 use protocol::position::Boundary;
@@ -287,10 +287,15 @@ async fn existing_rows_arrive_as_the_baseline_on_postgres() {
 #[tokio::test]
 async fn a_baseline_cut_short_is_handed_over_on_postgres() {
     let cluster = PgCluster::temp().unwrap();
-    let world = Pg {
-        store: example_store(&cluster, "cutshort").await,
-    };
-    actors::testkit::baseline_cut_short_is_handed_over(&world).await;
+    for (name, how) in [
+        ("cut_crash", HandOver::Crash),
+        ("cut_limit", HandOver::SnapshotLimit),
+    ] {
+        let world = Pg {
+            store: example_store(&cluster, name).await,
+        };
+        actors::testkit::baseline_cut_short_is_handed_over(&world, how).await;
+    }
 }
 
 /// The operator stream reset on PostgreSQL (the shared suite): out of a

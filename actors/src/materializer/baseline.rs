@@ -127,13 +127,25 @@ impl Records {
     }
 }
 
-/// Materializes `baseline` from `feed`, one store transaction per chunk.
+/// Hands a baseline over to re-reads (ADR 0030): a crash cut it short, or
+/// it read under its snapshot for as long as it may.
+pub(super) async fn hand_over<S: Store>(store: &S) -> Result<(), StoreError> {
+    let mut tx = store.begin().await?;
+    tx.hand_over_baseline().await?;
+    tx.commit().await?;
+    tracing::info!("baseline: handed over; the rows not yet read are re-read");
+    Ok(())
+}
+
+/// Materializes `baseline` from `feed`, one store transaction per chunk,
+/// reading under its snapshot for at most `snapshot_limit`.
 pub(super) async fn materialize<S: Store>(
     store: &S,
     model: &Model,
     feed: &mut S::Feed,
     baseline: &Baseline,
     generation: u64,
+    snapshot_limit: Duration,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<BaselineOutcome, StoreError> {
     let began = Instant::now();
@@ -158,6 +170,12 @@ pub(super) async fn materialize<S: Store>(
         tx.commit().await?;
     }
     while let Some(chunk) = next {
+        if index > 0 && began.elapsed() >= snapshot_limit {
+            // Long enough under one snapshot: the rest is re-read.
+            feed.end_baseline().await;
+            hand_over(store).await?;
+            return Ok(BaselineOutcome::Done { boundary, end_lsn });
+        }
         assert!(
             !chunk.events.is_empty() && chunk.events.len() <= BASELINE_CHUNK_ROWS,
             "a baseline chunk holds rows, never more than its limit"

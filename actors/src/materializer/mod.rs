@@ -85,6 +85,9 @@ pub struct MaterializerLimits {
     pub rematerialize_chunk_rows: usize,
     /// The share of wall time (percent) a rematerialization keeps re-reading.
     pub rematerialize_share: u32,
+    /// The longest a baseline reads under its snapshot before it hands the
+    /// rest over to re-reads.
+    pub baseline_snapshot: Duration,
 }
 
 /// Starts the materializer over `store` for the config whose current
@@ -283,6 +286,14 @@ async fn lead<S: Store>(
     status: &watch::Sender<CaptureStatus>,
     reports: &CaptureReports,
 ) -> Result<(), StoreError> {
+    // A feed owes no baseline while the stream does when it kept the slot
+    // of a baseline a crash cut short (ADR 0030).
+    let mut tx = store.begin().await?;
+    let cut_short = tx.capture_progress().await?.baseline_owed && feed.baseline().is_none();
+    drop(tx);
+    if cut_short {
+        baseline::hand_over(store).await?;
+    }
     let (progress, generation, records) = {
         let mut tx = store.begin().await?;
         let p = tx.capture_progress().await?;
@@ -308,7 +319,17 @@ async fn lead<S: Store>(
             boundary == Boundary::GenerationStart,
             "a baseline is owed only before the stream's first transaction"
         );
-        match baseline::materialize(store, model, &mut feed, &owed, generation, status).await? {
+        let outcome = baseline::materialize(
+            store,
+            model,
+            &mut feed,
+            &owed,
+            generation,
+            limits.baseline_snapshot,
+            status,
+        )
+        .await?;
+        match outcome {
             baseline::BaselineOutcome::Done {
                 boundary: after,
                 end_lsn,

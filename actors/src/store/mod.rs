@@ -366,6 +366,13 @@ pub trait StoreTx: Send {
         index: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// The baseline is handed over to re-reads (ADR 0030): the stream's
+    /// slot is its own from now on, the records its chunks committed owe
+    /// the rows not yet read, and a quarantine of a chunk (below the
+    /// stream, never delivered again) is lifted. Refused (integrity)
+    /// unless a baseline is owed and a chunk of it has committed.
+    fn hand_over_baseline(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// The baseline is materialized (in this transaction): the stream's
     /// slot is its own from now on, and `covered_fences` are satisfied.
     fn complete_baseline(

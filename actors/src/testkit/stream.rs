@@ -229,14 +229,23 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
 /// shares, three baseline chunks.
 const CUT_SHORT: u64 = 2_500;
 
-/// A baseline cut short after its first chunk committed (ADR 0030) is
-/// handed over, not taken again: the stream begins at the slot's
-/// consistent point, and the rows the baseline had not read are re-read
-/// from where its records stopped. A client then receives every existing
-/// row and every write that raced the baseline, with verified checksums,
-/// and no existing row was materialized twice. The world must be fresh
-/// and no engine may have started on it.
-pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W) {
+/// What ends a baseline before its last chunk (ADR 0030).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandOver {
+    /// The transaction of chunk 1 fails at its commit, as a crash would.
+    Crash,
+    /// `[capture] baseline_snapshot_ms` is 1: past it after chunk 0.
+    SnapshotLimit,
+}
+
+/// A baseline ended after its first chunk committed (ADR 0030), by a crash
+/// or by its snapshot's time limit, is handed over, not taken again: the
+/// stream begins at the slot's consistent point, and the rows the baseline
+/// had not read are re-read from where its records stopped. A client then
+/// receives every existing row and every write that raced the baseline,
+/// with verified checksums, and no existing row was materialized twice.
+/// The world must be fresh and no engine may have started on it.
+pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W, how: HandOver) {
     let store = world.store().clone();
     let ids: Vec<String> = (0..CUT_SHORT).map(|n| pull_note(50_000 + n)).collect();
     let rows: Vec<_> = ids.iter().map(|id| note_row(id, "cs-u", "old")).collect();
@@ -253,9 +262,13 @@ pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W) {
             .map(|s| Write::Insert("public.note_shares", s)),
     );
     world.write(&writes).await;
-    world.cut_baseline_at(1).await;
+    let mut config = push_config();
+    match how {
+        HandOver::Crash => world.cut_baseline_at(1).await,
+        HandOver::SnapshotLimit => config.capture.baseline_snapshot_ms = 1,
+    }
 
-    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    let engine = Engine::start(store.clone(), config).await.unwrap();
     // Racing the baseline: a row of its last chunk updated, a note added.
     let last = [("id", ids[ids.len() - 1].as_str())];
     world
@@ -275,7 +288,9 @@ pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W) {
     progress_reaches(&store, racing).await;
     super::capture::rematerialized(&store).await;
     ready_becomes(&engine, true, "capture runs after the hand-over").await;
-    assert!(world.baseline_was_cut().await, "the cut failed chunk 1");
+    if how == HandOver::Crash {
+        assert!(world.baseline_was_cut().await, "the cut failed chunk 1");
+    }
 
     let node = Node::from(&engine);
     let mut c = PullClient::connect(&store, &node, "cs-u", "cs-c").await;
@@ -307,6 +322,21 @@ pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W) {
         last.insert(e.identity.as_bytes().to_vec(), e);
     }
     assert_eq!(per_row.len() as u64, CUT_SHORT + 1);
+    // A whole baseline's chunks are two positions apart below the stream;
+    // rows re-read after the hand-over are at watermarks in it.
+    let lsns = ids.iter().map(|id| {
+        let identity = protocol::digest::RowIdentity::new(
+            "tbl_notes",
+            "fld_notes_id",
+            &protocol::value::TypedValue::String(id.clone()),
+        );
+        last[identity.as_bytes()].commit_lsn
+    });
+    let (low, high) = lsns.fold((Lsn::MAX, 0), |(l, h), x| (l.min(x), h.max(x)));
+    assert!(
+        high - low > 2 * crate::capture::baseline_chunks(CUT_SHORT + 100),
+        "the rows after the first chunk were re-read, not in the baseline"
+    );
     let title = |id: &str| {
         let identity = protocol::digest::RowIdentity::new(
             "tbl_notes",

@@ -84,6 +84,8 @@ pub(super) struct CaptureState {
     pub(super) baseline_without_dependencies: bool,
     /// Chunks of the owed baseline committed (ADR 0030).
     baseline_chunks: u64,
+    /// Baselines handed over to re-reads (what a test or simulation saw).
+    pub(super) baseline_handovers: u64,
     /// A planted bug: a baseline cut short is handed over with nothing
     /// owed, so the rows it had not read are never materialized.
     pub(super) handover_forgets_rows: bool,
@@ -163,6 +165,7 @@ impl CaptureState {
             baseline_versions: BTreeMap::new(),
             baseline_without_dependencies: false,
             baseline_chunks: 0,
+            baseline_handovers: 0,
             handover_forgets_rows: false,
             cut_baseline_at: None,
             compact_above_floor: false,
@@ -378,25 +381,15 @@ impl CaptureState {
 
     /// A feed opens while the baseline is owed. Before any chunk of it
     /// committed, the slot is a candidate: its baseline is exported
-    /// again. After one, the slot is kept and the baseline handed over
-    /// (ADR 0030): the stream begins, the records its chunks committed owe
-    /// the rows not yet read to re-reads, and the quarantine of a chunk
-    /// (below the stream, never delivered again) is lifted for the re-read
-    /// to meet its row anew. `None` when it was handed over.
+    /// again. After one, the slot is kept and the feed owes no baseline:
+    /// the materializer hands it over (ADR 0030). `None` then.
     fn open_baseline(
         &mut self,
     ) -> Result<Option<(Baseline, VecDeque<SourceTransaction>)>, StoreError> {
-        if self.baseline_chunks == 0 {
-            return self.export_baseline().map(Some);
+        match self.baseline_chunks {
+            0 => self.export_baseline().map(Some),
+            _ => Ok(None),
         }
-        self.progress.baseline_owed = false;
-        self.progress.quarantine = None;
-        if self.handover_forgets_rows {
-            for r in self.rematerializations.values_mut() {
-                r.pending = false;
-            }
-        }
-        Ok(None)
     }
 
     /// Drops the unacknowledged WAL (with the slot that retained it).
@@ -898,6 +891,24 @@ impl MemTx {
         Ok(())
     }
 
+    pub(super) fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        let c = &mut self.work.capture;
+        if !c.progress.baseline_owed || c.baseline_chunks == 0 {
+            return Err(StoreError::Integrity(
+                "no baseline with a chunk committed to hand over".into(),
+            ));
+        }
+        c.progress.baseline_owed = false;
+        c.progress.quarantine = None;
+        c.baseline_handovers += 1;
+        if c.handover_forgets_rows {
+            for r in c.rematerializations.values_mut() {
+                r.pending = false;
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         let c = &mut self.work.capture;
         if !c.progress.baseline_owed {
@@ -1092,6 +1103,11 @@ impl ChangeFeed for MemFeed {
 
     async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {
         Ok(self.chunks.pop_front())
+    }
+
+    async fn end_baseline(&mut self) {
+        self.chunks.clear();
+        self.baseline = None;
     }
 
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {

@@ -195,6 +195,11 @@ impl MemStore {
         self.state.lock().await.capture.cut_baseline_at = Some(index);
     }
 
+    /// How many baselines were handed over to re-reads (ADR 0030).
+    pub async fn baseline_handovers(&self) -> u64 {
+        self.state.lock().await.capture.baseline_handovers
+    }
+
     /// Whether the cut [`MemStore::cut_baseline_at`] injected has failed
     /// its chunk (a cut is spent when it fails).
     pub async fn baseline_was_cut(&self) -> bool {
@@ -704,6 +709,10 @@ impl StoreTx for MemTx {
 
     async fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
         MemTx::record_baseline_chunk(self, index)
+    }
+
+    async fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        MemTx::hand_over_baseline(self)
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
