@@ -359,7 +359,9 @@ async fn lead<S: Store>(
                     "capture blocked: baseline quarantined"
                 );
                 status.send_replace(CaptureStatus::Blocked(problem));
-                return Ok(()); // the next feed takes the baseline again
+                // The next feed takes it again, or hands it over once a
+                // chunk committed (ADR 0030).
+                return Ok(());
             }
         }
     }
