@@ -15,11 +15,17 @@
 //! change does not touch) pull steadily, and their pull latency is compared
 //! with the same readers' on the same process once it is done (idle).
 //!
+//! Between the two, on a second database of the same rows, a baseline is
+//! killed (`SIGKILL`) once half its rows committed, and a new process
+//! hands the rest over to re-reads (ADR 0030): the time to the kill, from
+//! the restart to nothing owed, and their sum against the uninterrupted
+//! baseline.
+//!
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
 //! sets the row count, 1,250,000 by default: 1,000,000 notes and 250,000
 //! shares; `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's chunk, 512 by
 //! default; `SYNCHRO_BENCH_REMAT_SHARE` its share of wall time, 100 percent
-//! by default).
+//! by default; `SYNCHRO_BENCH_REMAT=0` stops before the rematerialization).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
 
 use std::sync::Arc;
@@ -133,11 +139,12 @@ async fn main() {
     let baseline_peak = peak;
     println!(
         "baseline of {rows} rows: {:.2} s, {:.0} rows/s; write floor {:.2} s; \
-         baseline {:.2}x the floor",
+         baseline {:.2}x the floor; server peak RSS {:.1} MB",
         baseline.as_secs_f64(),
         rows as f64 / baseline.as_secs_f64(),
         floor.as_secs_f64(),
-        baseline.as_secs_f64() / floor.as_secs_f64()
+        baseline.as_secs_f64() / floor.as_secs_f64(),
+        baseline_peak as f64 / 1024.0,
     );
     drop(server);
     cut_at_half_way(&cluster, &secret_file, rows, baseline).await;
