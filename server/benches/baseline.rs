@@ -111,20 +111,7 @@ async fn main() {
     let server =
         Served::start_with(&cluster.url("baseline_bench"), &secret_file, without_body).await;
     // From the candidate slot's record to the baseline committed.
-    let mut began = None;
-    let baseline = loop {
-        let done: Option<bool> =
-            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        match done {
-            Some(true) => break began.map_or(Duration::ZERO, |b: Instant| b.elapsed()),
-            Some(false) if began.is_none() => began = Some(Instant::now()),
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let baseline = from_candidate(&pool, |done, _| done).await;
     let peak = peak_kib(server.child.id());
     let projected: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.projections")
         .fetch_one(&pool)
@@ -233,6 +220,27 @@ async fn main() {
     );
 }
 
+/// The time from the candidate slot's record until `reached(baseline_done,
+/// baseline_chunks)` holds.
+async fn from_candidate(pool: &PgPool, reached: impl Fn(bool, i64) -> bool) -> Duration {
+    let mut began = None;
+    loop {
+        let slot: Option<(bool, i64)> =
+            sqlx::query_as("SELECT baseline_done, baseline_chunks FROM synchro.capture_slot")
+                .fetch_optional(pool)
+                .await
+                .unwrap();
+        match slot {
+            Some((done, chunks)) if reached(done, chunks) => {
+                return began.map_or(Duration::ZERO, |b: Instant| b.elapsed());
+            }
+            Some(_) if began.is_none() => began = Some(Instant::now()),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Fills the example tables with `rows` rows that no trigger saw: four
 /// fifths notes, the rest shares, and the templates.
 async fn fill(pool: &PgPool, rows: usize) {
@@ -275,21 +283,7 @@ async fn cut_at_half_way(cluster: &PgCluster, secret_file: &str, rows: usize, ba
         )
     };
     let server = Served::start_with(&cluster.url("baseline_cut"), secret_file, config).await;
-    let mut began = None;
-    loop {
-        let chunks: Option<i64> =
-            sqlx::query_scalar("SELECT baseline_chunks FROM synchro.capture_slot")
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        match chunks {
-            Some(n) if n >= half => break,
-            Some(_) if began.is_none() => began = Some(Instant::now()),
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let before = began.unwrap().elapsed();
+    let before = from_candidate(&pool, |_, chunks| chunks >= half).await;
     drop(server); // SIGKILL
     let restart = Instant::now();
     let _server = Served::start_with(&cluster.url("baseline_cut"), secret_file, config).await;

@@ -778,18 +778,27 @@ impl PgTx {
         Ok(())
     }
 
-    pub(crate) async fn write_baseline_handed_over(&mut self) -> Result<(), StoreError> {
-        let handed = sqlx::query(
-            "UPDATE synchro.capture_slot SET baseline_done = true \
-             WHERE NOT baseline_done AND baseline_chunks > 0",
-        )
-        .execute(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        if handed.rows_affected() != 1 {
-            return Err(StoreError::Integrity(
-                "no baseline with a chunk committed to hand over".into(),
-            ));
+    /// The baseline ends: handed over to re-reads (a chunk of it must
+    /// have committed) or complete. The slot is the stream's from now on,
+    /// and a quarantine of a chunk is lifted.
+    async fn write_baseline_ended(&mut self, handed_over: bool) -> Result<(), StoreError> {
+        let (sql, refusal) = match handed_over {
+            true => (
+                "UPDATE synchro.capture_slot SET baseline_done = true \
+                 WHERE NOT baseline_done AND baseline_chunks > 0",
+                "no baseline with a chunk committed to hand over",
+            ),
+            false => (
+                "UPDATE synchro.capture_slot SET baseline_done = true WHERE NOT baseline_done",
+                "no baseline is owed: the stream's slot is not a candidate",
+            ),
+        };
+        let ended = sqlx::query(sql)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        if ended.rows_affected() != 1 {
+            return Err(StoreError::Integrity(refusal.into()));
         }
         sqlx::query(
             "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
@@ -800,29 +809,16 @@ impl PgTx {
         Ok(())
     }
 
+    pub(crate) async fn write_baseline_handed_over(&mut self) -> Result<(), StoreError> {
+        self.write_baseline_ended(true).await
+    }
+
     pub(crate) async fn write_baseline_done(
         &mut self,
         covered_fences: &[u64],
     ) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "UPDATE synchro.capture_slot SET baseline_done = true WHERE NOT baseline_done",
-        )
-        .execute(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        if done.rows_affected() != 1 {
-            return Err(StoreError::Integrity(
-                "no baseline is owed: the stream's slot is not a candidate".into(),
-            ));
-        }
-        satisfy_fences(&mut self.tx, covered_fences).await?;
-        sqlx::query(
-            "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
-        )
-        .execute(&mut *self.tx)
-        .await
-        .map_err(db_error)?;
-        Ok(())
+        self.write_baseline_ended(false).await?;
+        satisfy_fences(&mut self.tx, covered_fences).await
     }
 
     /// Capture read its progress in `stream_generation`: refused once a

@@ -73,6 +73,19 @@ async fn note<W: CaptureWorld>(world: &W, n: u64) -> Lsn {
         .await
 }
 
+/// `scope`'s retained effects through capture's progress now.
+async fn effects_through_progress<S: Store>(store: &S, scope: &str) -> Vec<crate::capture::Effect> {
+    let mut tx = store.begin().await.unwrap();
+    let through = tx.capture_progress().await.unwrap().boundary;
+    tx.scope_effects(
+        &protocol::ids::ScopeId::parse(scope).unwrap(),
+        protocol::position::StreamPosition::GenerationStart,
+        through,
+    )
+    .await
+    .unwrap()
+}
+
 /// Waits until capture has materialized everything through `lsn`.
 async fn progress_reaches<S: Store>(store: &S, lsn: Lsn) {
     for _ in 0..1000 {
@@ -159,17 +172,7 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
         EXISTING + 1,
         "every existing row and the racing one, verified by checksum"
     );
-    let mut tx = store.begin().await.unwrap();
-    let through = tx.capture_progress().await.unwrap().boundary;
-    let effects = tx
-        .scope_effects(
-            &protocol::ids::ScopeId::parse(scope).unwrap(),
-            protocol::position::StreamPosition::GenerationStart,
-            through,
-        )
-        .await
-        .unwrap();
-    drop(tx);
+    let effects = effects_through_progress(&store, scope).await;
     let mut per_row = std::collections::BTreeMap::new();
     for e in &effects {
         *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
@@ -303,16 +306,8 @@ pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W, how: 
         "every existing row and the added one, verified by checksum"
     );
     // The first chunk's rows were not read again: one effect each.
+    let effects = effects_through_progress(&store, scope).await;
     let mut tx = store.begin().await.unwrap();
-    let through = tx.capture_progress().await.unwrap().boundary;
-    let effects = tx
-        .scope_effects(
-            &protocol::ids::ScopeId::parse(scope).unwrap(),
-            protocol::position::StreamPosition::GenerationStart,
-            through,
-        )
-        .await
-        .unwrap();
     let records = tx.rematerializations().await.unwrap();
     drop(tx);
     let mut per_row = std::collections::BTreeMap::new();
