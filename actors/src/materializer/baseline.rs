@@ -42,9 +42,15 @@ impl BaselineProgress {
 
 /// What a baseline ended with.
 pub(super) enum BaselineOutcome {
-    /// Committed; the boundary and durable end after it (unchanged when it held no row).
-    Done { boundary: Boundary, end_lsn: Lsn },
-    /// A row that cannot be materialized: nothing committed, capture blocks.
+    /// Committed, or handed over; the boundary and durable end after it
+    /// (unchanged when it held no row), and the records as committed.
+    Done {
+        boundary: Boundary,
+        end_lsn: Lsn,
+        records: Vec<Rematerialization>,
+    },
+    /// A row that cannot be materialized: this chunk is rolled back,
+    /// capture blocks.
     Quarantined {
         commit_lsn: Lsn,
         problem: CaptureProblem,
@@ -174,7 +180,12 @@ pub(super) async fn materialize<S: Store>(
             // Long enough under one snapshot: the rest is re-read.
             feed.end_baseline().await;
             hand_over(store).await?;
-            return Ok(BaselineOutcome::Done { boundary, end_lsn });
+            let records = records.records.into_values().collect();
+            return Ok(BaselineOutcome::Done {
+                boundary,
+                end_lsn,
+                records,
+            });
         }
         assert!(
             !chunk.events.is_empty() && chunk.events.len() <= BASELINE_CHUNK_ROWS,
@@ -252,7 +263,11 @@ pub(super) async fn materialize<S: Store>(
         seconds = began.elapsed().as_secs_f64(),
         "baseline: materialized"
     );
-    Ok(BaselineOutcome::Done { boundary, end_lsn })
+    Ok(BaselineOutcome::Done {
+        boundary,
+        end_lsn,
+        records: records.finish(),
+    })
 }
 
 fn report(p: &BaselineProgress) {

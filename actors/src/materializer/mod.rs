@@ -286,17 +286,15 @@ async fn lead<S: Store>(
     status: &watch::Sender<CaptureStatus>,
     reports: &CaptureReports,
 ) -> Result<(), StoreError> {
-    // A feed owes no baseline while the stream does when it kept the slot
-    // of a baseline a crash cut short (ADR 0030).
-    let mut tx = store.begin().await?;
-    let cut_short = tx.capture_progress().await?.baseline_owed && feed.baseline().is_none();
-    drop(tx);
-    if cut_short {
-        baseline::hand_over(store).await?;
-    }
-    let (progress, generation, records) = {
+    let (progress, generation, mut records) = {
         let mut tx = store.begin().await?;
-        let p = tx.capture_progress().await?;
+        let mut p = tx.capture_progress().await?;
+        if p.baseline_owed && feed.baseline().is_none() {
+            // The feed kept the slot of a baseline a crash cut short (ADR 0030).
+            tx.hand_over_baseline().await?;
+            tracing::info!("baseline: handed over; the rows not yet read are re-read");
+            p = tx.capture_progress().await?;
+        }
         let generation = tx.stream_state().await?.generation;
         let records = tx.rematerializations().await?;
         tx.commit().await?;
@@ -333,7 +331,9 @@ async fn lead<S: Store>(
             baseline::BaselineOutcome::Done {
                 boundary: after,
                 end_lsn,
+                records: moved,
             } => {
+                records = moved;
                 reports.satisfied(&owed.covered_fences);
                 boundary = after;
                 durable_end = end_lsn;
@@ -365,10 +365,10 @@ async fn lead<S: Store>(
             }
         }
     }
-    // The baseline moves the records; a baseline cut by a crash left the
-    // rows it had not read owed to re-reads (ADR 0030).
+    // A baseline cut short or handed over left the rows it had not read
+    // owed to re-reads (ADR 0030).
     let mut rereading = reread::Rereading::new(
-        records_now(store).await?,
+        records,
         model,
         limits.rematerialize_chunk_rows,
         limits.rematerialize_share,
