@@ -198,6 +198,11 @@ pub struct CaptureConfig {
     /// their latency (ADR 0027).
     #[serde(default = "default_rematerialize_share")]
     pub rematerialize_share: u32,
+    /// The longest a baseline reads under its snapshot (milliseconds). Past
+    /// it, the rows not yet read are handed over to re-reads, so the
+    /// snapshot holds the database's xmin no longer (ADR 0030).
+    #[serde(default = "default_baseline_snapshot_ms")]
+    pub baseline_snapshot_ms: u64,
 }
 
 impl Default for CaptureConfig {
@@ -212,6 +217,7 @@ impl Default for CaptureConfig {
             max_lag_bytes: default_max_lag_bytes(),
             rematerialize_chunk_rows: default_rematerialize_chunk_rows(),
             rematerialize_share: default_rematerialize_share(),
+            baseline_snapshot_ms: default_baseline_snapshot_ms(),
         }
     }
 }
@@ -225,6 +231,12 @@ fn default_rematerialize_chunk_rows() -> usize {
 /// ends (ADR 0027 weighs this against the latency of the others).
 fn default_rematerialize_share() -> u32 {
     100
+}
+
+/// An hour: a baseline of about 40 million rows at this machine's rate;
+/// a larger one finishes by the slower re-reads (ADR 0030).
+fn default_baseline_snapshot_ms() -> u64 {
+    3_600_000
 }
 
 fn default_max_lag_ms() -> u64 {
@@ -728,6 +740,9 @@ impl SyncConfig {
         if !(1..=100).contains(&c.rematerialize_share) {
             return err("capture.rematerialize_share must be 1..=100");
         }
+        if !(1..=604_800_000).contains(&c.baseline_snapshot_ms) {
+            return err("capture.baseline_snapshot_ms must be 1..=604800000");
+        }
         if c.max_heartbeat_age_ms <= c.heartbeat_ms {
             return err("capture.max_heartbeat_age_ms must exceed capture.heartbeat_ms");
         }
@@ -744,6 +759,22 @@ impl SyncConfig {
                 ));
             }
             t.validate()?;
+        }
+        // A `via` relation's rows are dependency rows, read before the
+        // tables they decide (ADR 0020, ADR 0030); a registered table's
+        // are its own rows. One relation cannot be both.
+        let registered: BTreeSet<&String> = self.tables.iter().map(|t| &t.relation).collect();
+        for t in &self.tables {
+            for rule in &t.scopes {
+                if let MembershipRule::Dependency { via, .. } = rule
+                    && registered.contains(via)
+                {
+                    return err(format!(
+                        "table {}: via relation `{via}` is a registered table",
+                        t.table_id
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1029,6 +1060,10 @@ mod validation_tests {
             "table tbl_templates: relation_id `rel_notes` is used twice",
         );
         rejects(
+            |s| s.replace("via = \"public.note_shares\"", "via = \"public.templates\""),
+            "table tbl_notes: via relation `public.templates` is a registered table",
+        );
+        rejects(
             |s| {
                 s.replace(
                     "relation = \"public.templates\"",
@@ -1210,6 +1245,17 @@ mod validation_tests {
                     )
                 },
                 "capture.rematerialize_share must be 1..=100",
+            );
+        }
+        for ms in [0, 604_800_001] {
+            rejects(
+                |s| {
+                    s.replace(
+                        "[server]",
+                        &format!("[capture]\nbaseline_snapshot_ms = {ms}\n\n[server]"),
+                    )
+                },
+                "capture.baseline_snapshot_ms must be 1..=604800000",
             );
         }
         rejects(

@@ -158,6 +158,7 @@ impl Engine {
             group_events: config.capture.group_events,
             rematerialize_chunk_rows: config.capture.rematerialize_chunk_rows,
             rematerialize_share: config.capture.rematerialize_share,
+            baseline_snapshot: Duration::from_millis(config.capture.baseline_snapshot_ms),
         };
         let capture_store = store
             .capture_store()

@@ -181,10 +181,12 @@ pub async fn reconcile_membership<T: StoreTx>(
 
 /// Brings the rematerialization records up to the config (ADR 0020): a
 /// captured relation whose model changed owes a re-read of its rows from
-/// the start, unless a baseline is owed (it reads every row under the
-/// current model) or no record was ever kept (a store from before records:
-/// its state is taken as made under this model). A relation that left the
-/// config owes nothing. Runs in the caller's transaction.
+/// the start, unless no record was ever kept (a store from before records:
+/// its state is taken as made under this model). A baseline that has not
+/// begun owes every relation anyway (its first chunk says so), and one a
+/// crash cut short has read part of the relation under the old model
+/// (ADR 0030). A relation that left the config owes nothing. Runs in the
+/// caller's transaction.
 pub async fn reconcile_rematerializations<T: StoreTx>(
     tx: &mut T,
     config: &SyncConfig,
@@ -195,13 +197,12 @@ pub async fn reconcile_rematerializations<T: StoreTx>(
         .into_iter()
         .map(|r| (r.relation.clone(), r))
         .collect();
-    let baseline_owed = tx.capture_progress().await?.baseline_owed;
     let fingerprints = model_fingerprints(config);
     let mut changed = Vec::new();
     for (relation, fingerprint) in &fingerprints {
         let pending = match stored.get(relation) {
             Some(r) if &r.fingerprint == fingerprint => continue,
-            _ => !baseline_owed && !stored.is_empty(),
+            _ => !stored.is_empty(),
         };
         changed.push(Rematerialization {
             relation: relation.clone(),

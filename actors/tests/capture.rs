@@ -3,7 +3,7 @@
 
 use actors::store::MemStore;
 use actors::testkit::{
-    MemWorld as Mem, capture_suite, invalid_owners, repair_resumes, truncate_blocks,
+    HandOver, MemWorld as Mem, capture_suite, invalid_owners, repair_resumes, truncate_blocks,
 };
 
 #[tokio::test]
@@ -51,6 +51,16 @@ async fn existing_rows_arrive_as_the_baseline() {
         store: actors::testkit::example_mem_store(6).await,
     })
     .await;
+}
+
+#[tokio::test]
+async fn a_baseline_cut_short_is_handed_over() {
+    for (seed, how) in [(16, HandOver::Crash), (17, HandOver::SnapshotLimit)] {
+        let world = Mem {
+            store: actors::testkit::example_mem_store(seed).await,
+        };
+        actors::testkit::baseline_cut_short_is_handed_over(&world, how).await;
+    }
 }
 
 #[tokio::test]

@@ -34,6 +34,27 @@ fn text(row: &SourceRow, column: &str) -> Option<String> {
     row.get(column).cloned().flatten()
 }
 
+/// Before the change, once capture settled: every note of the source is
+/// held in its owner's scope (a baseline, whole or handed over to
+/// re-reads, left none out, ADR 0030). `notes` are the source's notes then,
+/// `held` the `user:` scopes' rows then.
+pub fn check_owned_notes(notes: &[SourceRow], held: &Held) -> Result<(), Vec<String>> {
+    let missing: Vec<String> = notes
+        .iter()
+        .filter_map(|n| Some((text(n, "id")?, text(n, "owner_id")?)))
+        .filter(|(id, owner)| {
+            !held
+                .get(&format!("user:{owner}"))
+                .is_some_and(|rows| rows.contains_key(id))
+        })
+        .map(|(id, owner)| format!("note {id} is not held in user:{owner} before the change"))
+        .collect();
+    match missing.is_empty() {
+        true => Ok(()),
+        false => Err(missing),
+    }
+}
+
 /// Every scope's rows under the config after the change, from the final
 /// source tables.
 pub fn expected_after(notes: &[SourceRow], shares: &[SourceRow], templates: &[SourceRow]) -> Held {

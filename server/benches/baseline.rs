@@ -15,11 +15,17 @@
 //! change does not touch) pull steadily, and their pull latency is compared
 //! with the same readers' on the same process once it is done (idle).
 //!
+//! Between the two, on a second database of the same rows, a baseline is
+//! killed (`SIGKILL`) once half its rows committed, and a new process
+//! hands the rest over to re-reads (ADR 0030): the time to the kill, from
+//! the restart to nothing owed, and their sum against the uninterrupted
+//! baseline.
+//!
 //! Run: `cargo bench -p server --bench baseline` (`SYNCHRO_BENCH_BASELINE_ROWS`
 //! sets the row count, 1,250,000 by default: 1,000,000 notes and 250,000
 //! shares; `SYNCHRO_BENCH_CHUNK_ROWS` the rematerialization's chunk, 512 by
 //! default; `SYNCHRO_BENCH_REMAT_SHARE` its share of wall time, 100 percent
-//! by default).
+//! by default; `SYNCHRO_BENCH_REMAT=0` stops before the rematerialization).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a load tool fails loudly
 
 use std::sync::Arc;
@@ -78,26 +84,7 @@ async fn main() {
     let cluster = PgCluster::temp().unwrap();
     let store = store_pg::example_store(&cluster, "baseline_bench").await;
     let pool = store.pool().clone();
-    sqlx::raw_sql(&format!(
-        "INSERT INTO public.notes (id, owner_id, title, body, updated_at) \
-         SELECT gen_random_uuid(), 'user-' || (g % 1000), 'note ' || g, repeat('x', 80), \
-                '2026-07-18 14:00:00+00' FROM generate_series(1, {notes}) g; \
-         INSERT INTO public.note_shares (note_id, team_id) \
-         SELECT id, 'team-' || (row_number() OVER () % 50) FROM public.notes \
-         ORDER BY id LIMIT {}; \
-         INSERT INTO public.templates (id, name, body) \
-         SELECT 'tpl-' || g, 'template ' || g, repeat('t', 80) FROM generate_series(1, {TEMPLATES}) g;",
-        rows - notes
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    for sql in [
-        "VACUUM ANALYZE public.notes, public.note_shares, public.templates",
-        "CHECKPOINT",
-    ] {
-        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
-    }
+    fill(&pool, rows).await;
 
     let start = Instant::now();
     let bytes = copy_out(&pool, "COPY (SELECT * FROM public.note_shares) TO STDOUT").await
@@ -124,20 +111,7 @@ async fn main() {
     let server =
         Served::start_with(&cluster.url("baseline_bench"), &secret_file, without_body).await;
     // From the candidate slot's record to the baseline committed.
-    let mut began = None;
-    let baseline = loop {
-        let done: Option<bool> =
-            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        match done {
-            Some(true) => break began.map_or(Duration::ZERO, |b: Instant| b.elapsed()),
-            Some(false) if began.is_none() => began = Some(Instant::now()),
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let baseline = from_candidate(&pool, |done, _| done).await;
     let peak = peak_kib(server.child.id());
     let projected: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.projections")
         .fetch_one(&pool)
@@ -150,10 +124,23 @@ async fn main() {
     );
     let floor = write_floor(&pool).await;
     let baseline_peak = peak;
+    println!(
+        "baseline of {rows} rows: {:.2} s, {:.0} rows/s; write floor {:.2} s; \
+         baseline {:.2}x the floor; server peak RSS {:.1} MB",
+        baseline.as_secs_f64(),
+        rows as f64 / baseline.as_secs_f64(),
+        floor.as_secs_f64(),
+        baseline.as_secs_f64() / floor.as_secs_f64(),
+        baseline_peak as f64 / 1024.0,
+    );
+    drop(server);
+    cut_at_half_way(&cluster, &secret_file, rows, baseline).await;
+    if std::env::var("SYNCHRO_BENCH_REMAT").is_ok_and(|v| v == "0") {
+        return;
+    }
     // The rematerialization (ADR 0020): a restart with `body` synced, over
     // columns that all hold values, so every note is projected, digested
     // and delivered again.
-    drop(server);
     let start = Instant::now();
     let chunk_rows = std::env::var("SYNCHRO_BENCH_CHUNK_ROWS").unwrap_or_else(|_| "512".into());
     let share = std::env::var("SYNCHRO_BENCH_REMAT_SHARE").unwrap_or_else(|_| "100".into());
@@ -230,6 +217,107 @@ async fn main() {
         floor.as_secs_f64(),
         floor.as_secs_f64() / copy.as_secs_f64(),
         baseline.as_secs_f64() / floor.as_secs_f64()
+    );
+}
+
+/// The time from the candidate slot's record until `reached(baseline_done,
+/// baseline_chunks)` holds.
+async fn from_candidate(pool: &PgPool, reached: impl Fn(bool, i64) -> bool) -> Duration {
+    let mut began = None;
+    loop {
+        let slot: Option<(bool, i64)> =
+            sqlx::query_as("SELECT baseline_done, baseline_chunks FROM synchro.capture_slot")
+                .fetch_optional(pool)
+                .await
+                .unwrap();
+        match slot {
+            Some((done, chunks)) if reached(done, chunks) => {
+                return began.map_or(Duration::ZERO, |b: Instant| b.elapsed());
+            }
+            Some(_) if began.is_none() => began = Some(Instant::now()),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Fills the example tables with `rows` rows that no trigger saw: four
+/// fifths notes, the rest shares, and the templates.
+async fn fill(pool: &PgPool, rows: usize) {
+    let notes = rows * 4 / 5;
+    sqlx::raw_sql(&format!(
+        "INSERT INTO public.notes (id, owner_id, title, body, updated_at) \
+         SELECT gen_random_uuid(), 'user-' || (g % 1000), 'note ' || g, repeat('x', 80), \
+                '2026-07-18 14:00:00+00' FROM generate_series(1, {notes}) g; \
+         INSERT INTO public.note_shares (note_id, team_id) \
+         SELECT id, 'team-' || (row_number() OVER () % 50) FROM public.notes \
+         ORDER BY id LIMIT {}; \
+         INSERT INTO public.templates (id, name, body) \
+         SELECT 'tpl-' || g, 'template ' || g, repeat('t', 80) FROM generate_series(1, {TEMPLATES}) g;",
+        rows - notes
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    for sql in [
+        "VACUUM ANALYZE public.notes, public.note_shares, public.templates",
+        "CHECKPOINT",
+    ] {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+    }
+}
+
+/// A baseline killed (`SIGKILL`) once half its rows are committed, then
+/// restarted (ADR 0030): the slot is kept and the rows not yet read are
+/// re-read. Its time to the killing, from the restart to nothing owed,
+/// and in all, against the uninterrupted `baseline` of the same rows.
+async fn cut_at_half_way(cluster: &PgCluster, secret_file: &str, rows: usize, baseline: Duration) {
+    let store = store_pg::example_store(cluster, "baseline_cut").await;
+    let pool = store.pool().clone();
+    fill(&pool, rows).await;
+    let half = (rows / 2).div_ceil(actors::capture::BASELINE_CHUNK_ROWS) as i64;
+    let config = |c: String| {
+        c.replace(
+            "[server]",
+            "[retention]\ncompact_interval_seconds = 86400\n\n[server]",
+        )
+    };
+    let server = Served::start_with(&cluster.url("baseline_cut"), secret_file, config).await;
+    let before = from_candidate(&pool, |_, chunks| chunks >= half).await;
+    drop(server); // SIGKILL
+    let restart = Instant::now();
+    let _server = Served::start_with(&cluster.url("baseline_cut"), secret_file, config).await;
+    loop {
+        let owed: bool = sqlx::query_scalar(
+            "SELECT NOT (SELECT baseline_done FROM synchro.capture_slot) \
+               OR EXISTS (SELECT 1 FROM synchro.rematerializations WHERE pending)",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if !owed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let after = restart.elapsed();
+    let projected: i64 = sqlx::query_scalar("SELECT count(*) FROM synchro.projections")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        projected as usize,
+        rows * 4 / 5 + TEMPLATES,
+        "every note and template is projected once"
+    );
+    let total = before + after;
+    println!(
+        "baseline of {rows} rows killed at half-way: {:.2} s to the kill, {:.2} s from the \
+         restart to nothing owed, {:.2} s in all ({:.2}x the uninterrupted baseline)",
+        before.as_secs_f64(),
+        after.as_secs_f64(),
+        total.as_secs_f64(),
+        total.as_secs_f64() / baseline.as_secs_f64()
     );
 }
 

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actors::capture::{CapturePlan, EffectOp};
+use actors::capture::{CapturePlan, Effect, EffectOp};
 use actors::config::SyncConfig;
 use actors::store::{MemStore, MemTx, Store, StoreTx};
 use actors::testkit::{EXAMPLE_RELATIONS, config_after, config_before};
@@ -32,6 +32,7 @@ use protocol::position::StreamPosition;
 
 use crate::capture::{TEAMS, USERS, WHEN, image, key, observe, stream_begun};
 use crate::link::ClientLink;
+use crate::tripwire::{CrashPoint, Tripwire};
 
 /// A planted bug: the rematerialization of one relation reads no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +58,14 @@ pub struct EvolutionScenario {
     /// A planted bug: the store forgets the configs processes started
     /// with, so the old deploy's process, restarting, brings its config back.
     pub forgets_applied_configs: bool,
+    /// Notes that exist before capture is installed (with shares): the
+    /// baseline's rows. With more than one chunk of them, the server
+    /// crashes once after its first chunk committed, and the baseline is
+    /// handed over to re-reads (ADR 0030).
+    pub existing_notes: usize,
+    /// A planted bug: the hand-over owes no relation, so the rows the
+    /// baseline had not read are lost.
+    pub handover_forgets_rows: bool,
 }
 
 impl Default for EvolutionScenario {
@@ -69,6 +78,8 @@ impl Default for EvolutionScenario {
             skipped: None,
             devices_keep_removed_rows: false,
             forgets_applied_configs: false,
+            existing_notes: 0,
+            handover_forgets_rows: false,
         }
     }
 }
@@ -95,6 +106,11 @@ pub struct EvolutionTrace {
     /// How the old deploy's process fared when it restarted after the
     /// deploy: `Some(true)` refused, `Some(false)` started.
     pub replaced_refused: Option<bool>,
+    /// A crash cut the baseline short, and it was handed over (ADR 0030).
+    pub baseline_cut_short: bool,
+    /// Before the deploy, with existing rows: the notes not held in
+    /// their owner's scope (`invariants::evolution::check_owned_notes`).
+    pub unowned_before: Vec<String>,
 }
 
 /// The teams each user is a member of (`public.team_members`): their
@@ -280,9 +296,36 @@ async fn old_deploy_restarts(store: MemStore, refused: Arc<Mutex<Option<bool>>>)
 }
 
 /// The server node: the real engine under whichever config is current.
-async fn server(config: Arc<Mutex<SyncConfig>>) {
+async fn server(config: Arc<Mutex<SyncConfig>>, tripwire: Arc<Tripwire>) {
     let config = config.lock().unwrap().clone();
-    crate::serve_engine_with(config, None, crate::pull::route).await;
+    crate::serve_engine_with(config, Some(tripwire), crate::pull::route).await;
+}
+
+/// Writes `n` notes (a third of them shared with a team) that exist
+/// before capture is installed, in one transaction no trigger sees.
+async fn write_existing(store: &MemStore, n: usize) -> Result<(), String> {
+    let mut rng = thread_rng();
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    for i in 0..n {
+        let id = format!("e-{i:05}");
+        let row = image(&[
+            ("id", Some(id.clone())),
+            ("owner_id", Some(USERS[i % USERS.len()].to_owned())),
+            ("title", Some(format!("existing {i}"))),
+            ("body", body()),
+            ("pinned", Some("f".into())),
+            ("updated_at", Some(WHEN.into())),
+            ("deleted_at", None),
+        ]);
+        tx.source_insert("public.notes", row)
+            .map_err(|e| format!("{e:?}"))?;
+        if rng.gen_range(0..3) == 0 {
+            let share = key(&[("note_id", &id), ("team_id", TEAMS[i % TEAMS.len()])]);
+            tx.source_insert("public.note_shares", share)
+                .map_err(|e| format!("{e:?}"))?;
+        }
+    }
+    tx.commit().await.map_err(|e| e.to_string())
 }
 
 type Device = Client<MemoryStore, ClientLink>;
@@ -325,15 +368,21 @@ async fn device(
     index: usize,
     user: &'static str,
     keep_removed_rows: bool,
+    large_pages: bool,
     synced: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
     errors: Arc<Mutex<Vec<String>>>,
 ) -> (Device, Vec<String>) {
     let client_id = format!("device-{index}");
+    // Pages of a few rows, or (over hundreds of existing rows) of many.
+    let pages = |few: std::ops::RangeInclusive<u16>| match large_pages {
+        false => thread_rng().gen_range(few),
+        true => thread_rng().gen_range(100..=250),
+    };
     let open = |store, transport| {
         let config = client::Config {
-            pull_limit: thread_rng().gen_range(1..=4),
-            rebuild_limit: thread_rng().gen_range(1..=3),
+            pull_limit: pages(1..=4),
+            rebuild_limit: pages(1..=3),
             max_tries: 6,
             backoff_base: Duration::from_millis(100),
             backoff_cap: Duration::from_secs(3),
@@ -409,6 +458,48 @@ fn device_end(device: &Device, user: &str, mismatched: Vec<String>) -> Result<De
     })
 }
 
+/// A scope's rows after applying its effects in order: row key -> wire row.
+fn held_by(effects: &[Effect]) -> Result<BTreeMap<String, Value>, String> {
+    let mut held: BTreeMap<String, Value> = BTreeMap::new();
+    for e in effects {
+        let key = match &e.key {
+            Value::String(k) => k.clone(),
+            other => json::to_canonical_string(other),
+        };
+        match &e.op {
+            EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
+                let row = json::parse(r.row.as_bytes()).map_err(|_| "a row is not JSON")?;
+                held.insert(key, row);
+            }
+            EffectOp::Remove(_) => {
+                held.remove(&key);
+            }
+        }
+    }
+    Ok(held)
+}
+
+/// The `user:` scopes' rows and the source's notes, once capture settled.
+async fn owned_notes(store: &MemStore) -> Result<Result<(), Vec<String>>, String> {
+    settled(store, store.last_commit_lsn().await).await?;
+    let mut tx = store.begin().await.map_err(|e| e.to_string())?;
+    let through = tx
+        .capture_progress()
+        .await
+        .map_err(|e| e.to_string())?
+        .boundary;
+    let mut held: Held = BTreeMap::new();
+    for u in USERS {
+        let scope = ScopeId::parse(&format!("user:{u}")).ok_or("scope")?;
+        let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
+        held.insert(format!("user:{u}"), held_by(&effects)?);
+    }
+    Ok(invariants::evolution::check_owned_notes(
+        &tx.source_rows("public.notes"),
+        &held,
+    ))
+}
+
 /// Waits until capture has materialized through `last` and no relation is
 /// owed a rematerialization.
 async fn settled(store: &MemStore, last: actors::capture::Lsn) -> Result<(), String> {
@@ -460,7 +551,26 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     if scenario.forgets_applied_configs {
         store.plant_forgets_applied_configs().await;
     }
-    let config = Arc::new(Mutex::new(config_before()));
+    if scenario.existing_notes > 0 {
+        write_existing(&store, scenario.existing_notes).await?;
+    }
+    if scenario.handover_forgets_rows {
+        store.plant_handover_forgetting_rows().await;
+    }
+    let aimed: &[CrashPoint] = match scenario.existing_notes {
+        0 => &[],
+        _ => &[CrashPoint::BaselineCutShort],
+    };
+    let (tripwire, trips) = Tripwire::arm(aimed);
+    let tripwire = Arc::new(tripwire);
+    // Re-read chunks of a few rows, or (over hundreds of existing rows) of many.
+    let sized = |mut config: SyncConfig| {
+        if scenario.existing_notes > 0 {
+            config.capture.rematerialize_chunk_rows = 256;
+        }
+        config
+    };
+    let config = Arc::new(Mutex::new(sized(config_before())));
     let teams = config_before().assignment.dependency[0].clone();
     for (user, member_of) in MEMBERSHIPS {
         for team in member_of {
@@ -468,14 +578,26 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         }
     }
     let database = {
-        let config = config.clone();
-        crate::start_nodes(&store, scenario.packet_loss, move || server(config.clone()))
+        let (config, tripwire) = (config.clone(), tripwire.clone());
+        crate::start_nodes(&store, scenario.packet_loss, move || {
+            server(config.clone(), tripwire.clone())
+        })
     };
     // Capture is installed before the application writes (as `synchro serve` does at start).
     store
         .install_capture(&CapturePlan::new(&config_before()))
         .await
         .map_err(|e| e.to_string())?;
+    // The crashes begin with the baseline (a tripwire in it, when rows exist).
+    let crashes = Arc::new(AtomicUsize::new(0));
+    let crasher = {
+        let crashes = crashes.clone();
+        // A random crash after the first chunk cuts the baseline short
+        // too; the tripwire makes sure one does.
+        crate::crash_server(4, 150..900, Some(trips), move |_| {
+            crashes.fetch_add(1, Ordering::Relaxed);
+        })
+    };
     stream_begun(&store).await?;
     let notes = Arc::new(Mutex::new(Vec::new()));
     let halfway = Arc::new(AtomicUsize::new(0));
@@ -514,6 +636,7 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
                 i,
                 user,
                 scenario.devices_keep_removed_rows,
+                scenario.existing_notes > 0,
                 synced[i].clone(),
                 stop.clone(),
                 errors.clone(),
@@ -521,13 +644,6 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
             (*user, t)
         })
         .collect();
-    let crashes = Arc::new(AtomicUsize::new(0));
-    let crasher = {
-        let crashes = crashes.clone();
-        crate::crash_server(4, 150..900, None, move |_| {
-            crashes.fetch_add(1, Ordering::Relaxed);
-        })
-    };
     // Halfway, the deploy: the server restarts under the new config, and
     // the writers go on while its relations are rematerialized.
     while halfway.load(Ordering::Relaxed) < scenario.writers {
@@ -535,10 +651,14 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     }
     // Everything written so far is materialized under the old config.
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
+    let unowned_before = match scenario.existing_notes {
+        0 => Vec::new(),
+        _ => owned_notes(&store).await?.err().unwrap_or_default(),
+    };
     if scenario.devices {
         synced_since(&synced).await?;
     }
-    *config.lock().unwrap() = config_after();
+    *config.lock().unwrap() = sized(config_after());
     // A kill first: `restart` alone keeps the old incarnation's socket.
     Handle::current().kill("server");
     Handle::current().restart("server");
@@ -554,6 +674,7 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         for w in writers {
             w.await.map_err(|e| format!("writer failed: {e}"))?;
         }
+        tripwire.disarm();
         crasher.await.map_err(|e| format!("crasher failed: {e}"))?;
         stop.store(true, Ordering::Relaxed);
         let mut ended = Vec::new();
@@ -563,9 +684,12 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         settled(&store, store.last_commit_lsn().await).await?;
         // Quiescence: the link heals and every device syncs to the end.
         NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
+        let baseline_cut_short = store.baseline_handovers().await > 0;
         let mut trace = EvolutionTrace {
             crashes: crashes.load(Ordering::Relaxed),
             replaced_refused: *replaced.lock().unwrap(),
+            baseline_cut_short,
+            unowned_before,
             ..EvolutionTrace::default()
         };
         for (user, (mut device, mut mismatched)) in ended {
@@ -602,22 +726,7 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         for s in &scopes {
             let scope = ScopeId::parse(s).ok_or("scope")?;
             let effects = tx.journaled_effects(&scope, StreamPosition::GenerationStart, through);
-            let mut held: BTreeMap<String, Value> = BTreeMap::new();
-            for e in &effects {
-                let key = match &e.key {
-                    Value::String(k) => k.clone(),
-                    other => json::to_canonical_string(other),
-                };
-                match &e.op {
-                    EffectOp::Upsert(r) | EffectOp::Tombstone(r) => {
-                        let row = json::parse(r.row.as_bytes()).map_err(|_| "a row is not JSON")?;
-                        held.insert(key, row);
-                    }
-                    EffectOp::Remove(_) => {
-                        held.remove(&key);
-                    }
-                }
-            }
+            let held = held_by(&effects)?;
             // The rows held now must be in the current manifest, their digests
             // recomputing under it; superseded effects are never served.
             let last: BTreeMap<_, _> = effects.iter().map(|e| (&e.identity, e)).collect();

@@ -82,6 +82,8 @@ enum Op {
     DependencyRows(String, String, Vec<String>),
     Materialize(Box<Materialization>),
     Quarantine(Quarantine, u64),
+    RecordBaselineChunk(u64),
+    HandOverBaseline,
     CompleteBaseline(Vec<u64>),
     Rematerializations,
     PutRematerializations(Vec<Rematerialization>),
@@ -178,6 +180,7 @@ enum FeedOp {
     /// The next transaction, if one completes within this wait (at most `FEED_POLL`).
     Next(Duration),
     BaselineChunk,
+    EndBaseline,
     Acknowledge(Lsn),
     Reread(RereadRequest),
 }
@@ -426,6 +429,10 @@ async fn serve_feed(
                 Ok(t) => FeedAnswer::Next(Ok((t, feed.source_end(), None))),
                 Err(e) => FeedAnswer::Next(Err(e)),
             },
+            FeedOp::EndBaseline => {
+                feed.end_baseline().await;
+                FeedAnswer::Unit(Ok(()))
+            }
             FeedOp::Acknowledge(end) => FeedAnswer::Unit(feed.acknowledge(end).await),
             FeedOp::Reread(req) => FeedAnswer::Reread(feed.reread(&req).await),
         };
@@ -541,6 +548,8 @@ async fn transaction(
             ),
             Op::Materialize(m) => (Answer::Unit(tx.materialize(&m).await), false),
             Op::Quarantine(q, g) => (Answer::Unit(tx.quarantine(&q, g).await), false),
+            Op::RecordBaselineChunk(i) => (Answer::Unit(tx.record_baseline_chunk(i).await), false),
+            Op::HandOverBaseline => (Answer::Unit(tx.hand_over_baseline().await), false),
             Op::CompleteBaseline(f) => (Answer::Unit(tx.complete_baseline(&f).await), false),
             Op::ForgetTable(t) => (Answer::Count(tx.forget_table(&t).await), false),
             Op::Rematerializations => (
@@ -907,6 +916,8 @@ fn crash_point(op: &Op) -> Option<CrashPoint> {
         Op::StagedRows(_, 0, _) => Some(CrashPoint::FirstPage),
         Op::StagedRows(..) => Some(CrashPoint::LaterPage),
         Op::CompleteBaseline(_) => Some(CrashPoint::MidBaseline),
+        // A chunk after the first: those before it committed.
+        Op::RecordBaselineChunk(i) if *i > 0 => Some(CrashPoint::BaselineCutShort),
         Op::RecordPush(_) => Some(CrashPoint::MidPush),
         Op::PutCheckpoints(..) => Some(CrashPoint::MidPull),
         _ => None,
@@ -1004,6 +1015,13 @@ impl ChangeFeed for RemoteFeed {
             Answer::FeedNext(r) => Ok(r?.0.map(|t| *t)),
             _ => Err(mismatch()),
         }
+    }
+
+    async fn end_baseline(&mut self) {
+        // MemFeed's stream does not depend on its baseline's chunks: a
+        // lost answer here leaves nothing behind.
+        let _ = self.call(FeedOp::EndBaseline).await;
+        self.baseline = None;
     }
 
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {
@@ -1282,6 +1300,14 @@ impl StoreTx for RemoteTx {
             Answer::Generation(r) => r,
             _ => Err(mismatch()),
         }
+    }
+
+    async fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        self.unit(Op::RecordBaselineChunk(index)).await
+    }
+
+    async fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        self.unit(Op::HandOverBaseline).await
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {

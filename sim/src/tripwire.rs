@@ -28,9 +28,13 @@ pub enum CrashPoint {
     FirstPage,
     /// A continued rebuild's page is about to be rendered from its stage.
     LaterPage,
-    /// Every chunk of the baseline is written; the transaction is about to
-    /// record it complete and commit (ADR 0011).
+    /// The baseline's last chunk is written; its transaction is about to
+    /// record the baseline complete and commit (ADR 0011).
     MidBaseline,
+    /// A baseline chunk after the first is written, the chunks before it
+    /// committed; its transaction is about to record it and commit, so
+    /// the baseline is cut short and handed over to re-reads (ADR 0030).
+    BaselineCutShort,
     /// A push's writes are done in its transaction; its ledger record is
     /// about to be written (and the whole transaction commits after it).
     MidPush,

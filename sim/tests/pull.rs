@@ -72,7 +72,7 @@ async fn pull_beside_a_standby_under_faults() {
     let reproduce = reproduce("pull_beside_a_standby_under_faults");
     let scenario = PullScenario {
         standby: true,
-        pulls_per_client: 16,
+        pulls_per_client: 24, // enough pushes that each server accepts one
         ..PullScenario::default()
     };
     let trace = run_clean(scenario, &reproduce).await;

@@ -1,8 +1,9 @@
 //! The baseline on PostgreSQL (ADR 0011): every captured row as it stood
 //! at the stream slot's exported snapshot, read on a connection that
 //! imported it (`SET TRANSACTION SNAPSHOT`), with `COPY ... TO STDOUT` (the
-//! text form pgoutput also sends), in chunks positioned just below the
-//! slot's consistent point. A registered row without a version gets one.
+//! text form pgoutput also sends), one relation after another in identity
+//! order (ADR 0030), in chunks positioned just below the slot's consistent
+//! point. A registered row without a version gets one.
 
 use actors::capture::{
     BASELINE_CHUNK_ROWS, Baseline, CapturePlan, ChangeKind, Lsn, SourceEvent, SourceImage,
@@ -120,10 +121,17 @@ pub(crate) async fn start(
             Ok(()) => chunker.finish().await,
             Err(e) => Err(e),
         };
-        if let Err(e) = result {
-            let _ = chunker.send.send(Err(e)).await;
+        match result {
+            Ok(()) => {
+                let _ = conn.execute("COMMIT").await;
+            }
+            // A reader stopped mid-COPY (the baseline ended early, or
+            // failed) closes its connection, and the snapshot with it.
+            Err(e) => {
+                let _ = chunker.send.send(Err(e)).await;
+                drop(conn);
+            }
         }
-        let _ = conn.execute("COMMIT").await;
     });
     Ok(BaselineReader {
         baseline,
@@ -187,11 +195,17 @@ async fn read(
             .iter()
             .map(|c| format!("r.{}", quote_column(c)))
             .collect();
+        // In identity order, as a re-read goes on from a chunk's last row
+        // (ADR 0030).
+        let order: Vec<String> = (s.identity.iter())
+            .map(|c| format!("r.{}", quote_column(c)))
+            .collect();
         let sql = match &s.registered {
             None => format!(
-                "COPY (SELECT {} FROM {} r) TO STDOUT",
+                "COPY (SELECT {} FROM {} r ORDER BY {}) TO STDOUT",
                 list.join(", "),
-                quote_relation(&s.relation)
+                quote_relation(&s.relation),
+                order.join(", ")
             ),
             // The version the trigger would have written; a row without one
             // gets a new one, recorded below.
@@ -200,13 +214,14 @@ async fn read(
                    replace(gen_random_uuid()::text, '-', ''), \
                    to_jsonb(r.{}) #>> '{{}}' \
                  FROM {} r LEFT JOIN synchro.row_versions v \
-                   ON v.table_id = {} AND v.key = to_jsonb(r.{}) #>> '{{}}' AND NOT v.deleted) \
-                 TO STDOUT",
+                   ON v.table_id = {} AND v.key = to_jsonb(r.{}) #>> '{{}}' AND NOT v.deleted \
+                 ORDER BY {}) TO STDOUT",
                 list.join(", "),
                 quote_column(pk),
                 quote_relation(&s.relation),
                 literal(table_id),
                 quote_column(pk),
+                order.join(", "),
             ),
         };
         let mut stream = conn.copy_out_raw(&sql).await.map_err(db_error)?;

@@ -208,18 +208,24 @@ pub(crate) async fn install(store: &PgStore, plan: &CapturePlan) -> Result<(), S
     verify(store, plan).await
 }
 
-/// The stream's slot as recorded: where its stream began, and whether its
-/// baseline is materialized (until then it is a candidate).
+/// The stream's slot as recorded: whether its baseline is materialized
+/// (until then it is a candidate), and how many of the baseline's chunks
+/// committed.
 struct SlotRecord {
     baseline_done: bool,
+    baseline_chunks: i64,
 }
 
 async fn slot_record(store: &PgStore) -> Result<Option<SlotRecord>, StoreError> {
-    let done: Option<bool> = sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-        .fetch_optional(&store.pool)
-        .await
-        .map_err(db_error)?;
-    Ok(done.map(|baseline_done| SlotRecord { baseline_done }))
+    let row: Option<(bool, i64)> =
+        sqlx::query_as("SELECT baseline_done, baseline_chunks FROM synchro.capture_slot")
+            .fetch_optional(&store.pool)
+            .await
+            .map_err(db_error)?;
+    Ok(row.map(|(baseline_done, baseline_chunks)| SlotRecord {
+        baseline_done,
+        baseline_chunks,
+    }))
 }
 
 /// Whether a slot of the stream's name exists in this database.
@@ -265,7 +271,8 @@ async fn create_candidate_slot(
     sqlx::query(
         "INSERT INTO synchro.capture_slot (slot_name, consistent_lsn, baseline_done) \
          VALUES ($1, 0, false) ON CONFLICT (singleton) DO UPDATE \
-         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0, idle_confirmed_lsn = 0 \
+         SET slot_name = EXCLUDED.slot_name, consistent_lsn = 0, idle_confirmed_lsn = 0, \
+           baseline_chunks = 0 \
          WHERE NOT synchro.capture_slot.baseline_done",
     )
     .bind(slot)
@@ -535,7 +542,9 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
     };
     let slot = t.slot();
     let owed = match slot_record(store).await? {
-        Some(r) => !r.baseline_done,
+        // A chunk committed: the slot is kept, and the materializer hands
+        // the baseline over to re-reads (ADR 0030).
+        Some(r) => !r.baseline_done && r.baseline_chunks == 0,
         None => !adopt_unrecorded_slot(store, &slot).await?,
     };
     let (client, reader) = if owed {
@@ -749,6 +758,12 @@ impl PgFeed {
 impl ChangeFeed for PgFeed {
     fn baseline(&self) -> Option<&Baseline> {
         self.baseline.as_ref()
+    }
+
+    async fn end_baseline(&mut self) {
+        // The reader stops at its next chunk and its snapshot ends with it.
+        self.chunks = None;
+        self.baseline = None;
     }
 
     async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {

@@ -569,6 +569,14 @@ impl StoreTx for PgTx {
         self.write_stream_reset().await
     }
 
+    async fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        self.write_baseline_chunk(index).await
+    }
+
+    async fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        self.write_baseline_handed_over().await
+    }
+
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         self.write_baseline_done(covered_fences).await
     }
@@ -1046,6 +1054,36 @@ impl actors::testkit::CaptureWorld for PgWorld {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         panic!("the slot could not be dropped");
+    }
+
+    async fn cut_baseline_at(&self, index: u64) {
+        // A deferred constraint trigger fails the commit of the transaction
+        // that records chunk `index`, once (a sequence counts outside it).
+        let chunks = i64::try_from(index).unwrap() + 1;
+        sqlx::raw_sql(&format!(
+            "DROP SEQUENCE IF EXISTS synchro.test_cut_baselines; \
+             CREATE SEQUENCE synchro.test_cut_baselines; \
+             CREATE OR REPLACE FUNCTION synchro.test_cut_baseline() RETURNS trigger \
+             LANGUAGE plpgsql AS $$ BEGIN \
+               IF NEW.baseline_chunks = {chunks} \
+                  AND nextval('synchro.test_cut_baselines') = 1 THEN \
+                 RAISE EXCEPTION 'injected commit failure' USING ERRCODE = '08006'; \
+               END IF; RETURN NULL; END $$; \
+             DROP TRIGGER IF EXISTS test_cut_baseline ON synchro.capture_slot; \
+             CREATE CONSTRAINT TRIGGER test_cut_baseline AFTER UPDATE \
+             ON synchro.capture_slot DEFERRABLE INITIALLY DEFERRED \
+             FOR EACH ROW EXECUTE FUNCTION synchro.test_cut_baseline();"
+        ))
+        .execute(self.store.pool())
+        .await
+        .unwrap();
+    }
+
+    async fn baseline_was_cut(&self) -> bool {
+        sqlx::query_scalar("SELECT is_called FROM synchro.test_cut_baselines")
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap()
     }
 
     async fn fail_checkpoint_commits(&self, n: usize) {

@@ -396,7 +396,8 @@ impl PgTx {
             "UPDATE synchro.rebuild_sessions SET swept = true WHERE NOT swept",
             "UPDATE synchro.capture_progress SET commit_lsn = NULL, end_lsn = 0, \
              quarantine_lsn = NULL, quarantine_class = NULL",
-            "UPDATE synchro.capture_slot SET baseline_done = false, idle_confirmed_lsn = 0",
+            "UPDATE synchro.capture_slot SET baseline_done = false, baseline_chunks = 0, \
+             idle_confirmed_lsn = 0",
         ] {
             sqlx::query(sql)
                 .execute(&mut *self.tx)
@@ -759,22 +760,46 @@ impl PgTx {
         satisfy_fences(tx, &m.fences).await
     }
 
-    pub(crate) async fn write_baseline_done(
-        &mut self,
-        covered_fences: &[u64],
-    ) -> Result<(), StoreError> {
-        let done = sqlx::query(
-            "UPDATE synchro.capture_slot SET baseline_done = true WHERE NOT baseline_done",
+    pub(crate) async fn write_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        let index = i64::try_from(index).map_err(|_| integrity("a baseline chunk's index"))?;
+        let moved = sqlx::query(
+            "UPDATE synchro.capture_slot SET baseline_chunks = $1 + 1 \
+             WHERE NOT baseline_done AND baseline_chunks = $1",
         )
+        .bind(index)
         .execute(&mut *self.tx)
         .await
         .map_err(db_error)?;
-        if done.rows_affected() != 1 {
+        if moved.rows_affected() != 1 {
             return Err(StoreError::Integrity(
-                "no baseline is owed: the stream's slot is not a candidate".into(),
+                "baseline chunks commit in order, while the baseline is owed".into(),
             ));
         }
-        satisfy_fences(&mut self.tx, covered_fences).await?;
+        Ok(())
+    }
+
+    /// The baseline ends: handed over to re-reads (a chunk of it must
+    /// have committed) or complete. The slot is the stream's from now on,
+    /// and a quarantine of a chunk is lifted.
+    async fn write_baseline_ended(&mut self, handed_over: bool) -> Result<(), StoreError> {
+        let (sql, refusal) = match handed_over {
+            true => (
+                "UPDATE synchro.capture_slot SET baseline_done = true \
+                 WHERE NOT baseline_done AND baseline_chunks > 0",
+                "no baseline with a chunk committed to hand over",
+            ),
+            false => (
+                "UPDATE synchro.capture_slot SET baseline_done = true WHERE NOT baseline_done",
+                "no baseline is owed: the stream's slot is not a candidate",
+            ),
+        };
+        let ended = sqlx::query(sql)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(db_error)?;
+        if ended.rows_affected() != 1 {
+            return Err(StoreError::Integrity(refusal.into()));
+        }
         sqlx::query(
             "UPDATE synchro.capture_progress SET quarantine_lsn = NULL, quarantine_class = NULL",
         )
@@ -782,6 +807,18 @@ impl PgTx {
         .await
         .map_err(db_error)?;
         Ok(())
+    }
+
+    pub(crate) async fn write_baseline_handed_over(&mut self) -> Result<(), StoreError> {
+        self.write_baseline_ended(true).await
+    }
+
+    pub(crate) async fn write_baseline_done(
+        &mut self,
+        covered_fences: &[u64],
+    ) -> Result<(), StoreError> {
+        self.write_baseline_ended(false).await?;
+        satisfy_fences(&mut self.tx, covered_fences).await
     }
 
     /// Capture read its progress in `stream_generation`: refused once a

@@ -7,7 +7,7 @@ use actors::capture::CaptureProblem;
 use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
 use actors::testkit::{
-    CaptureWorld, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
+    CaptureWorld, HandOver, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
     truncate_blocks,
 };
 use protocol::position::Boundary;
@@ -280,6 +280,22 @@ async fn existing_rows_arrive_as_the_baseline_on_postgres() {
         store: example_store(&cluster, "baseline").await,
     };
     actors::testkit::baseline_adopts_existing_rows(&world).await;
+}
+
+/// A baseline cut short after its first chunk (the shared suite, ADR
+/// 0030): the slot is kept, and the rows not yet read are re-read.
+#[tokio::test]
+async fn a_baseline_cut_short_is_handed_over_on_postgres() {
+    let cluster = PgCluster::temp().unwrap();
+    for (name, how) in [
+        ("cut_crash", HandOver::Crash),
+        ("cut_limit", HandOver::SnapshotLimit),
+    ] {
+        let world = Pg {
+            store: example_store(&cluster, name).await,
+        };
+        actors::testkit::baseline_cut_short_is_handed_over(&world, how).await;
+    }
 }
 
 /// The operator stream reset on PostgreSQL (the shared suite): out of a

@@ -341,8 +341,14 @@ pub fn baseline_position(consistent: Lsn, chunks: u64, index: u64) -> Option<(Ls
 /// Committed source transactions in commit order, at least once.
 pub trait ChangeFeed: Send {
     /// The baseline this feed delivers before its first transaction, if
-    /// one is owed (the stream is new, and nothing was materialized yet).
+    /// one is owed and none of it committed (the stream is new, or was
+    /// reset). A feed that finds a baseline with a chunk committed keeps
+    /// its slot and owes none: the materializer hands it over (ADR 0030).
     fn baseline(&self) -> Option<&Baseline>;
+    /// Stops reading the baseline, with chunks of it unread: its snapshot
+    /// is released, and the stream begins at the slot's consistent point
+    /// (the materializer hands the rest over to re-reads, ADR 0030).
+    fn end_baseline(&mut self) -> impl Future<Output = ()> + Send;
     /// The baseline's next chunk: inserts of existing rows (dependency
     /// relations first) with their version notes, at positions below the
     /// stream's first transaction, at most [`BASELINE_CHUNK_ROWS`] rows;

@@ -1,15 +1,24 @@
-//! The baseline (ADR 0011): the captured rows that existed when the
-//! stream's slot was created, materialized before the stream's first
-//! transaction. All of it commits in one store transaction, so a crash
-//! leaves nothing of it, and the next feed takes it again under a new slot
-//! and snapshot: no row is missed, none is doubled.
+//! The baseline (ADR 0011, ADR 0030): the captured rows that existed when
+//! the stream's slot was created, materialized before the stream's first
+//! transaction. Each chunk commits in its own store transaction with the
+//! rematerialization record of every relation it read (the identity of its
+//! last row), so no transaction is held for the whole database. A crash
+//! before the first chunk commits leaves nothing: the next feed takes the
+//! baseline again under a new slot. A crash after it leaves the slot and
+//! the records: the next feed hands the rows not yet read over to re-reads
+//! (ADR 0020), which read each relation on from where its record stopped.
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use protocol::position::Boundary;
 use tokio::sync::watch;
 use tokio::time::{Duration, Instant};
 
 use super::{CaptureStatus, Model, step};
-use crate::capture::{BASELINE_CHUNK_ROWS, Baseline, CaptureProblem, ChangeFeed, Lsn};
+use crate::capture::{
+    BASELINE_CHUNK_ROWS, Baseline, CaptureProblem, ChangeFeed, Lsn, Rematerialization,
+    SourceTransaction,
+};
 use crate::store::{Store, StoreError, StoreTx};
 
 /// How often a running baseline reports its progress.
@@ -33,22 +42,116 @@ impl BaselineProgress {
 
 /// What a baseline ended with.
 pub(super) enum BaselineOutcome {
-    /// Committed; the boundary and durable end after it (unchanged when it held no row).
-    Done { boundary: Boundary, end_lsn: Lsn },
-    /// A row that cannot be materialized: nothing committed, capture blocks.
+    /// Committed, or handed over; the boundary and durable end after it
+    /// (unchanged when it held no row), and the records as committed.
+    Done {
+        boundary: Boundary,
+        end_lsn: Lsn,
+        records: Vec<Rematerialization>,
+    },
+    /// A row that cannot be materialized: this chunk is rolled back,
+    /// capture blocks.
     Quarantined {
         commit_lsn: Lsn,
         problem: CaptureProblem,
     },
 }
 
-/// Materializes `baseline` from `feed` in one store transaction.
+/// Each captured relation's record as the baseline reads it: all owed
+/// from the start when it begins, then each one moved to the last row read
+/// and released when the feed moves past it. Feeds read one relation after
+/// another, each in identity order, so the rows of a relation up to its
+/// record are exactly those committed.
+struct Records {
+    records: BTreeMap<String, Rematerialization>,
+    /// The relation being read.
+    reading: Option<String>,
+}
+
+impl Records {
+    fn new(model: &Model) -> Records {
+        let records = (model.fingerprints.iter())
+            .map(|(relation, fingerprint)| {
+                let r = Rematerialization {
+                    relation: relation.clone(),
+                    fingerprint: fingerprint.clone(),
+                    pending: true,
+                    after: None,
+                    rows: 0,
+                };
+                (relation.clone(), r)
+            })
+            .collect();
+        Records {
+            records,
+            reading: None,
+        }
+    }
+
+    /// Moves the records past `chunk`; the records it changed.
+    fn read(&mut self, chunk: &SourceTransaction) -> Result<Vec<Rematerialization>, StoreError> {
+        let mut changed: BTreeSet<String> = BTreeSet::new();
+        for e in &chunk.events {
+            if self.reading.as_deref() != Some(e.relation.as_str()) {
+                if let Some(r) = self.reading.take().and_then(|d| self.records.get_mut(&d)) {
+                    r.pending = false;
+                    r.after = None;
+                }
+                let r = self.records.get(&e.relation).ok_or_else(|| {
+                    StoreError::Integrity("the baseline read a relation not captured".into())
+                })?;
+                if !r.pending || r.rows > 0 {
+                    return Err(StoreError::Integrity(
+                        "the baseline came back to a relation it had read".into(),
+                    ));
+                }
+                self.reading = Some(e.relation.clone());
+            }
+            if let Some(r) = self.records.get_mut(&e.relation) {
+                r.after = Some(e.identity.clone());
+                r.rows += 1;
+            }
+            changed.insert(e.relation.clone());
+        }
+        // A relation the chunk moved past was released in it.
+        let released = self.records.values().filter(|r| !r.pending);
+        changed.extend(released.map(|r| r.relation.clone()));
+        Ok((self.records.values())
+            .filter(|r| changed.contains(&r.relation))
+            .cloned()
+            .collect())
+    }
+
+    /// Every record released: the baseline read every row.
+    fn finish(&mut self) -> Vec<Rematerialization> {
+        self.reading = None;
+        for r in self.records.values_mut() {
+            r.pending = false;
+            r.after = None;
+        }
+        self.records.values().cloned().collect()
+    }
+}
+
+/// Hands a baseline over to re-reads (ADR 0030): a crash cut it short, or
+/// it read under its snapshot for as long as it may.
+pub(super) async fn hand_over<S: Store>(store: &S) -> Result<(), StoreError> {
+    let mut tx = store.begin().await?;
+    tx.hand_over_baseline().await?;
+    tx.commit().await?;
+    tracing::info!("baseline: handed over; the rows not yet read are re-read");
+    Ok(())
+}
+
+/// Materializes `baseline` from `feed`, one store transaction per chunk,
+/// reading under its snapshot for at most `snapshot_limit`.
 pub(super) async fn materialize<S: Store>(
     store: &S,
     model: &Model,
     feed: &mut S::Feed,
     baseline: &Baseline,
     generation: u64,
+    snapshot_limit: Duration,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<BaselineOutcome, StoreError> {
     let began = Instant::now();
@@ -60,61 +163,111 @@ pub(super) async fn materialize<S: Store>(
     };
     status.send_replace(CaptureStatus::Baseline(progress));
     tracing::info!(rows = baseline.rows, "baseline: staging the existing rows");
-    let mut tx = store.begin().await?;
+    let mut records = Records::new(model);
     let mut boundary = Boundary::GenerationStart;
     let mut end_lsn: Lsn = 0;
-    while let Some(chunk) = feed.baseline_chunk().await? {
+    let mut index: u64 = 0;
+    let mut next = feed.baseline_chunk().await?;
+    if next.is_none() {
+        // No row existed: completing it is the whole baseline.
+        let mut tx = store.begin().await?;
+        tx.put_rematerializations(&records.finish()).await?;
+        tx.complete_baseline(&baseline.covered_fences).await?;
+        tx.commit().await?;
+    }
+    while let Some(chunk) = next {
+        if index > 0 && began.elapsed() >= snapshot_limit {
+            // Long enough under one snapshot: the rest is re-read.
+            feed.end_baseline().await;
+            hand_over(store).await?;
+            let records = records.records.into_values().collect();
+            return Ok(BaselineOutcome::Done {
+                boundary,
+                end_lsn,
+                records,
+            });
+        }
         assert!(
-            chunk.events.len() <= BASELINE_CHUNK_ROWS,
-            "a baseline chunk never exceeds its limit"
+            !chunk.events.is_empty() && chunk.events.len() <= BASELINE_CHUNK_ROWS,
+            "a baseline chunk holds rows, never more than its limit"
         );
         assert!(
             end_lsn <= chunk.commit_lsn && chunk.commit_lsn < chunk.end_lsn,
             "baseline chunks are positioned in order"
         );
-        let mut outcome =
-            step::materialize_group(&mut tx, model, std::slice::from_ref(&chunk)).await?;
-        if let Some((commit_lsn, problem)) = outcome.problem {
-            drop(tx); // rolls back every chunk
-            return Ok(BaselineOutcome::Quarantined {
-                commit_lsn,
-                problem,
-            });
-        }
-        if let Some(m) = &mut outcome.combined {
-            m.stream_generation = generation;
-            tx.materialize(m).await?;
-        }
-        boundary = Boundary::TransactionEnd {
-            commit_lsn: chunk.commit_lsn,
-        };
-        end_lsn = chunk.end_lsn;
+        // The last chunk commits with the baseline's completion.
+        let following = feed.baseline_chunk().await?;
         progress.staged += chunk.events.len() as u64;
         if progress.staged > progress.total {
             return Err(StoreError::Integrity(
                 "the baseline holds more rows than it announced".into(),
             ));
         }
+        let mut tx = store.begin().await?;
+        let outcome = step::materialize_group(&mut tx, model, std::slice::from_ref(&chunk)).await?;
+        if let Some((commit_lsn, problem)) = outcome.problem {
+            drop(tx); // rolls this chunk back; those before it stay
+            return Ok(BaselineOutcome::Quarantined {
+                commit_lsn,
+                problem,
+            });
+        }
+        let mut m = outcome
+            .combined
+            .ok_or_else(|| StoreError::Integrity("a baseline chunk materialized nothing".into()))?;
+        m.stream_generation = generation;
+        if index == 0 {
+            // The writes the snapshot holds are in the baseline's rows;
+            // every scope they reach answers 503 until those rows are
+            // read, here or by the re-reads a crash hands them to.
+            m.fences.extend(&baseline.covered_fences);
+        }
+        tx.materialize(&m).await?;
+        let mut moved = records.read(&chunk)?;
+        if index == 0 {
+            // From the first commit on, every relation is owed until read.
+            moved = records.records.values().cloned().collect();
+        }
+        tx.put_rematerializations(&moved).await?;
+        tx.record_baseline_chunk(index).await?;
+        if following.is_none() {
+            if progress.staged != progress.total {
+                return Err(StoreError::Integrity(
+                    "the baseline holds fewer rows than it announced".into(),
+                ));
+            }
+            tx.put_rematerializations(&records.finish()).await?;
+            tx.complete_baseline(&[]).await?;
+        }
+        tx.commit().await?;
+        index += 1;
+        boundary = Boundary::TransactionEnd {
+            commit_lsn: chunk.commit_lsn,
+        };
+        end_lsn = chunk.end_lsn;
         if reported.elapsed() >= REPORT_EVERY {
             reported = Instant::now();
             progress.rate = (progress.staged as f64 / began.elapsed().as_secs_f64()) as u64;
             report(&progress);
             status.send_replace(CaptureStatus::Baseline(progress));
         }
+        next = following;
     }
     if progress.staged != progress.total {
         return Err(StoreError::Integrity(
             "the baseline holds fewer rows than it announced".into(),
         ));
     }
-    tx.complete_baseline(&baseline.covered_fences).await?;
-    tx.commit().await?;
     tracing::info!(
         rows = progress.staged,
         seconds = began.elapsed().as_secs_f64(),
         "baseline: materialized"
     );
-    Ok(BaselineOutcome::Done { boundary, end_lsn })
+    Ok(BaselineOutcome::Done {
+        boundary,
+        end_lsn,
+        records: records.finish(),
+    })
 }
 
 fn report(p: &BaselineProgress) {

@@ -85,6 +85,9 @@ pub struct MaterializerLimits {
     pub rematerialize_chunk_rows: usize,
     /// The share of wall time (percent) a rematerialization keeps re-reading.
     pub rematerialize_share: u32,
+    /// The longest a baseline reads under its snapshot before it hands the
+    /// rest over to re-reads.
+    pub baseline_snapshot: Duration,
 }
 
 /// Starts the materializer over `store` for the config whose current
@@ -283,9 +286,15 @@ async fn lead<S: Store>(
     status: &watch::Sender<CaptureStatus>,
     reports: &CaptureReports,
 ) -> Result<(), StoreError> {
-    let (progress, generation, records) = {
+    let (progress, generation, mut records) = {
         let mut tx = store.begin().await?;
-        let p = tx.capture_progress().await?;
+        let mut p = tx.capture_progress().await?;
+        if p.baseline_owed && feed.baseline().is_none() {
+            // The feed kept the slot of a baseline a crash cut short (ADR 0030).
+            tx.hand_over_baseline().await?;
+            tracing::info!("baseline: handed over; the rows not yet read are re-read");
+            p = tx.capture_progress().await?;
+        }
         let generation = tx.stream_state().await?.generation;
         let records = tx.rematerializations().await?;
         tx.commit().await?;
@@ -293,18 +302,6 @@ async fn lead<S: Store>(
     };
     if superseded(model, &records) {
         return give_way(status);
-    }
-    let mut rereading = reread::Rereading::new(
-        records,
-        model,
-        limits.rematerialize_chunk_rows,
-        limits.rematerialize_share,
-    );
-    if rereading.owed() > 0 {
-        tracing::info!(
-            relations = rereading.owed(),
-            "capture: rematerializing relations whose model changed"
-        );
     }
     // Re-advance the slot to the durable point (a crash may have come
     // between the last commit and its acknowledgement).
@@ -320,11 +317,23 @@ async fn lead<S: Store>(
             boundary == Boundary::GenerationStart,
             "a baseline is owed only before the stream's first transaction"
         );
-        match baseline::materialize(store, model, &mut feed, &owed, generation, status).await? {
+        let outcome = baseline::materialize(
+            store,
+            model,
+            &mut feed,
+            &owed,
+            generation,
+            limits.baseline_snapshot,
+            status,
+        )
+        .await?;
+        match outcome {
             baseline::BaselineOutcome::Done {
                 boundary: after,
                 end_lsn,
+                records: moved,
             } => {
+                records = moved;
                 reports.satisfied(&owed.covered_fences);
                 boundary = after;
                 durable_end = end_lsn;
@@ -350,9 +359,25 @@ async fn lead<S: Store>(
                     "capture blocked: baseline quarantined"
                 );
                 status.send_replace(CaptureStatus::Blocked(problem));
-                return Ok(()); // the next feed takes the baseline again
+                // The next feed takes it again, or hands it over once a
+                // chunk committed (ADR 0030).
+                return Ok(());
             }
         }
+    }
+    // A baseline cut short or handed over left the rows it had not read
+    // owed to re-reads (ADR 0030).
+    let mut rereading = reread::Rereading::new(
+        records,
+        model,
+        limits.rematerialize_chunk_rows,
+        limits.rematerialize_share,
+    );
+    if rereading.owed() > 0 {
+        tracing::info!(
+            relations = rereading.owed(),
+            "capture: re-reading relations (a changed model, or a baseline cut short)"
+        );
     }
     let mut caught_up = Instant::now();
     let mut meter = CatchUpMeter::default();

@@ -356,6 +356,23 @@ pub trait StoreTx: Send {
     /// baseline covers those it holds. Returns the new generation.
     fn reset_stream(&mut self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// This transaction commits chunk `index` of the baseline (ADR 0030).
+    /// Chunks commit in order from 0; any other index is refused
+    /// (integrity). Once one has committed, a feed that finds the baseline
+    /// unfinished keeps the slot and hands the rows not yet read over to
+    /// re-reads, instead of taking the baseline again.
+    fn record_baseline_chunk(
+        &mut self,
+        index: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The baseline is handed over to re-reads (ADR 0030): the stream's
+    /// slot is its own from now on, the records its chunks committed owe
+    /// the rows not yet read, and a quarantine of a chunk (below the
+    /// stream, never delivered again) is lifted. Refused (integrity)
+    /// unless a baseline is owed and a chunk of it has committed.
+    fn hand_over_baseline(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// The baseline is materialized (in this transaction): the stream's
     /// slot is its own from now on, and `covered_fences` are satisfied.
     fn complete_baseline(

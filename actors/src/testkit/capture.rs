@@ -54,6 +54,12 @@ pub trait CaptureWorld {
     /// Fault injection: the replication slot is dropped behind the
     /// server's back (as by hand, or invalidated by `max_slot_wal_keep_size`).
     async fn lose_slot(&self);
+    /// Fault injection: the transaction that commits baseline chunk
+    /// `index` fails once at its commit, as a crash there would; the
+    /// chunks before it stay committed (ADR 0030).
+    async fn cut_baseline_at(&self, index: u64);
+    /// Whether the cut `cut_baseline_at` injected has failed its commit.
+    async fn baseline_was_cut(&self) -> bool;
 }
 
 /// The capture world of MemStore: application writes straight into its source relations.
@@ -125,6 +131,14 @@ impl CaptureWorld for MemWorld {
 
     async fn fail_checkpoint_commits(&self, n: usize) {
         self.store.fail_checkpoint_commits(n);
+    }
+
+    async fn cut_baseline_at(&self, index: u64) {
+        self.store.cut_baseline_at(index).await;
+    }
+
+    async fn baseline_was_cut(&self) -> bool {
+        self.store.baseline_was_cut().await
     }
 }
 
@@ -1093,4 +1107,48 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     current.stream_generation = before + 1;
     tx.materialize(&current).await.unwrap();
     drop(tx); // rolled back
+
+    // The new baseline in chunks (ADR 0030): chunks commit in order, and
+    // it is handed over only once a chunk of it committed, only once; the
+    // hand-over lifts a chunk's quarantine.
+    let integrity = |r: Result<(), StoreError>| matches!(r, Err(StoreError::Integrity(_)));
+    let mut tx = store.begin().await.unwrap();
+    assert!(
+        integrity(tx.record_baseline_chunk(1).await),
+        "chunk 1 first"
+    );
+    assert!(
+        integrity(tx.hand_over_baseline().await),
+        "a hand-over before any chunk committed"
+    );
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    tx.record_baseline_chunk(0).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert!(
+        integrity(tx.record_baseline_chunk(0).await),
+        "chunk 0 twice"
+    );
+    drop(tx);
+    let mut tx = store.begin().await.unwrap();
+    let chunk_problem = Quarantine {
+        commit_lsn: 1,
+        problem: crate::capture::CaptureProblem::InvalidValue,
+    };
+    tx.quarantine(&chunk_problem, before + 1).await.unwrap();
+    tx.hand_over_baseline().await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    assert_eq!((p.baseline_owed, p.quarantine), (false, None));
+    assert!(
+        integrity(tx.hand_over_baseline().await),
+        "handed over twice"
+    );
+    assert!(
+        integrity(tx.record_baseline_chunk(1).await),
+        "a chunk after the hand-over"
+    );
+    drop(tx);
 }

@@ -34,7 +34,10 @@ pub use push::{
 };
 pub use rebuild::{rebuild_store_suite, rebuild_suite, rebuild_suite_via};
 pub use retention::retention_suite;
-pub use stream::{Broken, baseline_adopts_existing_rows, slot_loss_blocks, stream_reset_recovers};
+pub use stream::{
+    Broken, HandOver, baseline_adopts_existing_rows, baseline_cut_short_is_handed_over,
+    slot_loss_blocks, stream_reset_recovers,
+};
 pub use transport::{Answer, Node, Route, Serve, Transport};
 
 /// The example config (`examples/notes/config.toml`).

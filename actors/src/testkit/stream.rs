@@ -73,6 +73,19 @@ async fn note<W: CaptureWorld>(world: &W, n: u64) -> Lsn {
         .await
 }
 
+/// `scope`'s retained effects through capture's progress now.
+async fn effects_through_progress<S: Store>(store: &S, scope: &str) -> Vec<crate::capture::Effect> {
+    let mut tx = store.begin().await.unwrap();
+    let through = tx.capture_progress().await.unwrap().boundary;
+    tx.scope_effects(
+        &protocol::ids::ScopeId::parse(scope).unwrap(),
+        protocol::position::StreamPosition::GenerationStart,
+        through,
+    )
+    .await
+    .unwrap()
+}
+
 /// Waits until capture has materialized everything through `lsn`.
 async fn progress_reaches<S: Store>(store: &S, lsn: Lsn) {
     for _ in 0..1000 {
@@ -159,17 +172,7 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
         EXISTING + 1,
         "every existing row and the racing one, verified by checksum"
     );
-    let mut tx = store.begin().await.unwrap();
-    let through = tx.capture_progress().await.unwrap().boundary;
-    let effects = tx
-        .scope_effects(
-            &protocol::ids::ScopeId::parse(scope).unwrap(),
-            protocol::position::StreamPosition::GenerationStart,
-            through,
-        )
-        .await
-        .unwrap();
-    drop(tx);
+    let effects = effects_through_progress(&store, scope).await;
     let mut per_row = std::collections::BTreeMap::new();
     for e in &effects {
         *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
@@ -223,6 +226,145 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
     let (status, body, _) = pusher.push(&pusher.batch(1, vec![update], false)).await;
     assert_eq!(status, 200, "{body:?}");
     assert!(super::push::outcome(&body, 1).0, "{body:?}");
+}
+
+/// Notes of user `cs-u` that exist before capture is installed: with the
+/// shares, three baseline chunks.
+const CUT_SHORT: u64 = 2_500;
+
+/// What ends a baseline before its last chunk (ADR 0030).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandOver {
+    /// The transaction of chunk 1 fails at its commit, as a crash would.
+    Crash,
+    /// `[capture] baseline_snapshot_ms` is 1: past it after chunk 0.
+    SnapshotLimit,
+}
+
+/// A baseline ended after its first chunk committed (ADR 0030), by a crash
+/// or by its snapshot's time limit, is handed over, not taken again: the
+/// stream begins at the slot's consistent point, and the rows the baseline
+/// had not read are re-read from where its records stopped. A client then
+/// receives every existing row and every write that raced the baseline,
+/// with verified checksums, and no existing row was materialized twice.
+/// The world must be fresh and no engine may have started on it.
+pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W, how: HandOver) {
+    let store = world.store().clone();
+    let ids: Vec<String> = (0..CUT_SHORT).map(|n| pull_note(50_000 + n)).collect();
+    let rows: Vec<_> = ids.iter().map(|id| note_row(id, "cs-u", "old")).collect();
+    let shares: Vec<_> = (ids.iter().step_by(25))
+        .map(|id| [("note_id", Some(id.as_str())), ("team_id", Some("cs-t"))])
+        .collect();
+    let mut writes: Vec<Write<'_>> = rows
+        .iter()
+        .map(|r| Write::Insert("public.notes", r))
+        .collect();
+    writes.extend(
+        shares
+            .iter()
+            .map(|s| Write::Insert("public.note_shares", s)),
+    );
+    world.write(&writes).await;
+    let mut config = push_config();
+    match how {
+        HandOver::Crash => world.cut_baseline_at(1).await,
+        HandOver::SnapshotLimit => config.capture.baseline_snapshot_ms = 1,
+    }
+
+    let engine = Engine::start(store.clone(), config).await.unwrap();
+    // Racing the baseline: a row of its last chunk updated, a note added.
+    let last = [("id", ids[ids.len() - 1].as_str())];
+    world
+        .write(&[Write::Update(
+            "public.notes",
+            &last,
+            &[("title", Some("raced"))],
+        )])
+        .await;
+    let added = pull_note(60_000);
+    let racing = world
+        .write(&[Write::Insert(
+            "public.notes",
+            &note_row(&added, "cs-u", "added"),
+        )])
+        .await;
+    progress_reaches(&store, racing).await;
+    super::capture::rematerialized(&store).await;
+    ready_becomes(&engine, true, "capture runs after the hand-over").await;
+    if how == HandOver::Crash {
+        assert!(world.baseline_was_cut().await, "the cut failed chunk 1");
+    }
+
+    let node = Node::from(&engine);
+    let mut c = PullClient::connect(&store, &node, "cs-u", "cs-c").await;
+    c.sync(1000).await;
+    let scope = "user:cs-u";
+    let held = &c.replica.scopes[scope].rows;
+    assert_eq!(
+        held.len() as u64,
+        CUT_SHORT + 1,
+        "every existing row and the added one, verified by checksum"
+    );
+    // The first chunk's rows were not read again: one effect each.
+    let effects = effects_through_progress(&store, scope).await;
+    let mut tx = store.begin().await.unwrap();
+    let records = tx.rematerializations().await.unwrap();
+    drop(tx);
+    let mut per_row = std::collections::BTreeMap::new();
+    let mut last = std::collections::BTreeMap::new();
+    for e in &effects {
+        *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
+        last.insert(e.identity.as_bytes().to_vec(), e);
+    }
+    assert_eq!(per_row.len() as u64, CUT_SHORT + 1);
+    // A whole baseline's chunks are two positions apart below the stream;
+    // rows re-read after the hand-over are at watermarks in it.
+    let lsns = ids.iter().map(|id| {
+        let identity = protocol::digest::RowIdentity::new(
+            "tbl_notes",
+            "fld_notes_id",
+            &protocol::value::TypedValue::String(id.clone()),
+        );
+        last[identity.as_bytes()].commit_lsn
+    });
+    let (low, high) = lsns.fold((Lsn::MAX, 0), |(l, h), x| (l.min(x), h.max(x)));
+    assert!(
+        high - low > 2 * crate::capture::baseline_chunks(CUT_SHORT + 100),
+        "the rows after the first chunk were re-read, not in the baseline"
+    );
+    let title = |id: &str| {
+        let identity = protocol::digest::RowIdentity::new(
+            "tbl_notes",
+            "fld_notes_id",
+            &protocol::value::TypedValue::String(id.to_owned()),
+        );
+        let row = last[identity.as_bytes()]
+            .op
+            .row()
+            .expect("a row")
+            .row
+            .clone();
+        let row = json::parse(row.as_bytes()).unwrap();
+        row.as_object()
+            .and_then(|o| o.get("fld_notes_title"))
+            .cloned()
+    };
+    assert_eq!(title(&ids[ids.len() - 1]), Some(Value::string("raced")));
+    assert_eq!(title(&ids[0]), Some(Value::string("old")));
+    assert!(
+        per_row.values().all(|n| *n <= 2) && per_row.values().filter(|n| **n == 2).count() <= 1,
+        "an existing row materialized twice"
+    );
+    let notes = records
+        .iter()
+        .find(|r| r.relation == "public.notes")
+        .expect("the notes' record");
+    assert!(!notes.pending, "every note was read");
+    assert!(
+        notes.rows >= CUT_SHORT,
+        "the baseline's and the re-reads' rows: {}",
+        notes.rows
+    );
 }
 
 /// What blocks capture before the operator resets the stream.

@@ -82,6 +82,16 @@ pub(super) struct CaptureState {
     pub(super) baseline_versions: BTreeMap<String, String>,
     /// A planted bug: the baseline leaves out the dependency relations.
     pub(super) baseline_without_dependencies: bool,
+    /// Chunks of the owed baseline committed (ADR 0030).
+    baseline_chunks: u64,
+    /// Baselines handed over to re-reads (what a test or simulation saw).
+    pub(super) baseline_handovers: u64,
+    /// A planted bug: a baseline cut short is handed over with nothing
+    /// owed, so the rows it had not read are never materialized.
+    pub(super) handover_forgets_rows: bool,
+    /// A fault a test injects: the transaction of this baseline chunk fails,
+    /// once, as a crash before its commit would (ADR 0030).
+    pub(super) cut_baseline_at: Option<u64>,
     /// A planted bug: compaction deletes an effect above the floor.
     pub(super) compact_above_floor: bool,
     /// The open transaction's WAL.
@@ -154,6 +164,10 @@ impl CaptureState {
             baseline_span: None,
             baseline_versions: BTreeMap::new(),
             baseline_without_dependencies: false,
+            baseline_chunks: 0,
+            baseline_handovers: 0,
+            handover_forgets_rows: false,
+            cut_baseline_at: None,
             compact_above_floor: false,
             pending: None,
             progress: CaptureProgress {
@@ -221,6 +235,7 @@ impl CaptureState {
         let mut events = Vec::new();
         let mut notes = Vec::new();
         self.baseline_versions.clear();
+        self.baseline_chunks = 0; // a new candidate slot
         let dependencies = match self.baseline_without_dependencies {
             false => plan.dependencies.keys().collect(),
             true => Vec::new(),
@@ -360,7 +375,21 @@ impl CaptureState {
             };
         }
         self.baseline_span = None;
+        self.baseline_chunks = 0;
         self.slot_lost = false;
+    }
+
+    /// A feed opens while the baseline is owed. Before any chunk of it
+    /// committed, the slot is a candidate: its baseline is exported
+    /// again. After one, the slot is kept and the feed owes no baseline:
+    /// the materializer hands it over (ADR 0030). `None` then.
+    fn open_baseline(
+        &mut self,
+    ) -> Result<Option<(Baseline, VecDeque<SourceTransaction>)>, StoreError> {
+        match self.baseline_chunks {
+            0 => self.export_baseline().map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// Drops the unacknowledged WAL (with the slot that retained it).
@@ -846,6 +875,40 @@ impl MemTx {
         Ok(())
     }
 
+    pub(super) fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        // The fault is spent outside the transaction, as a sequence is.
+        let cut = &mut self.guard.capture.cut_baseline_at;
+        if cut.take_if(|i| *i == index).is_some() {
+            return Err(StoreError::Unavailable("the connection was lost".into()));
+        }
+        let c = &mut self.work.capture;
+        if !c.progress.baseline_owed || index != c.baseline_chunks {
+            return Err(StoreError::Integrity(
+                "baseline chunks commit in order, while the baseline is owed".into(),
+            ));
+        }
+        c.baseline_chunks = index + 1;
+        Ok(())
+    }
+
+    pub(super) fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        let c = &mut self.work.capture;
+        if !c.progress.baseline_owed || c.baseline_chunks == 0 {
+            return Err(StoreError::Integrity(
+                "no baseline with a chunk committed to hand over".into(),
+            ));
+        }
+        c.progress.baseline_owed = false;
+        c.progress.quarantine = None;
+        c.baseline_handovers += 1;
+        if c.handover_forgets_rows {
+            for r in c.rematerializations.values_mut() {
+                r.pending = false;
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
         let c = &mut self.work.capture;
         if !c.progress.baseline_owed {
@@ -1006,10 +1069,10 @@ impl MemFeed {
             let c = &mut state.capture;
             let (baseline, chunks) = match c.progress.baseline_owed {
                 false => (None, VecDeque::new()),
-                true => {
-                    let (b, chunks) = c.export_baseline()?;
-                    (Some(b), chunks)
-                }
+                true => match c.open_baseline()? {
+                    Some((b, chunks)) => (Some(b), chunks),
+                    None => (None, VecDeque::new()),
+                },
             };
             (c.slot_ack, baseline, chunks)
         };
@@ -1040,6 +1103,11 @@ impl ChangeFeed for MemFeed {
 
     async fn baseline_chunk(&mut self) -> Result<Option<SourceTransaction>, StoreError> {
         Ok(self.chunks.pop_front())
+    }
+
+    async fn end_baseline(&mut self) {
+        self.chunks.clear();
+        self.baseline = None;
     }
 
     async fn next(&mut self, wait: Duration) -> Result<Option<SourceTransaction>, StoreError> {

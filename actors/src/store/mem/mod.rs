@@ -188,6 +188,31 @@ impl MemStore {
         self.state.lock().await.capture.reread_skips = Some(relation.to_owned());
     }
 
+    /// Fault injection: the transaction of baseline chunk `index` fails
+    /// once, as a crash before its commit would; the chunks before it
+    /// stay committed (ADR 0030).
+    pub async fn cut_baseline_at(&self, index: u64) {
+        self.state.lock().await.capture.cut_baseline_at = Some(index);
+    }
+
+    /// How many baselines were handed over to re-reads (ADR 0030).
+    pub async fn baseline_handovers(&self) -> u64 {
+        self.state.lock().await.capture.baseline_handovers
+    }
+
+    /// Whether the cut [`MemStore::cut_baseline_at`] injected has failed
+    /// its chunk (a cut is spent when it fails).
+    pub async fn baseline_was_cut(&self) -> bool {
+        let state = self.state.lock().await;
+        state.capture.cut_baseline_at.is_none()
+    }
+
+    /// A planted bug: a baseline cut short by a crash is handed over with
+    /// no relation owed, so the rows it had not read are lost (ADR 0030).
+    pub async fn plant_handover_forgetting_rows(&self) {
+        self.state.lock().await.capture.handover_forgets_rows = true;
+    }
+
     /// Fault injection for a planted bug: baselines leave out the
     /// dependency relations that scope rules read.
     pub async fn plant_baseline_without_dependencies(&self) {
@@ -680,6 +705,14 @@ impl StoreTx for MemTx {
         w.rebuilds.sweep_all();
         w.capture.reset_stream();
         Ok(w.stream.generation)
+    }
+
+    async fn record_baseline_chunk(&mut self, index: u64) -> Result<(), StoreError> {
+        MemTx::record_baseline_chunk(self, index)
+    }
+
+    async fn hand_over_baseline(&mut self) -> Result<(), StoreError> {
+        MemTx::hand_over_baseline(self)
     }
 
     async fn complete_baseline(&mut self, covered_fences: &[u64]) -> Result<(), StoreError> {
