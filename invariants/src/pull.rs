@@ -137,14 +137,7 @@ impl Replica {
 
     /// The row identity bytes of a change (its table and typed key), if it names one.
     pub fn identity_of(&self, change: &Value) -> Option<Vec<u8>> {
-        let c = change.as_object()?;
-        let table = self.manifest.table(c.get("table")?.as_str()?)?;
-        let pk = c.get("pk")?.as_object()?;
-        let field = table.primary_key();
-        let key = value::decode(field.field_type(), pk.get(field.field_id())?)
-            .ok()
-            .flatten()?;
-        Some(RowIdentity::of(table, &key).as_bytes().to_vec())
+        identity_of(&self.manifest, change)
     }
 
     /// The pull request body for `limit`.
@@ -596,6 +589,104 @@ pub fn check_cursor(
     Ok(())
 }
 
+/// One change of a pull page, as the cursor check sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivered {
+    pub identity: Vec<u8>,
+    pub version: String,
+    /// A delete without a row.
+    pub removes: bool,
+    /// A delete with its tombstone row.
+    pub tombstone: bool,
+}
+
+/// One scope of one answered pull: the cursor presented, the one issued,
+/// the scope's effects when the page arrived, and the page's changes of
+/// the scope.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CursorStep {
+    pub client: String,
+    pub scope: String,
+    pub presented: StreamPosition,
+    pub issued: StreamPosition,
+    /// The scope's effects after `presented`, in position order.
+    pub effects: Vec<EffectView>,
+    pub delivered: Vec<Delivered>,
+}
+
+/// The row identity bytes of a change or record under `m` (its table and
+/// typed key), if it names one.
+pub fn identity_of(m: &Manifest, change: &Value) -> Option<Vec<u8>> {
+    let c = change.as_object()?;
+    let table = m.table(c.get("table")?.as_str()?)?;
+    let pk = c.get("pk")?.as_object()?;
+    let field = table.primary_key();
+    let key = value::decode(field.field_type(), pk.get(field.field_id())?)
+        .ok()
+        .flatten()?;
+    Some(RowIdentity::of(table, &key).as_bytes().to_vec())
+}
+
+impl Delivered {
+    /// A pull page's change of `scope`, if `change` is one.
+    pub fn of(m: &Manifest, scope: &str, change: &Value) -> Option<Delivered> {
+        let c = change.as_object()?;
+        if c.get("scope")?.as_str()? != scope {
+            return None;
+        }
+        let delete = match c.get("op")?.as_str()? {
+            "upsert" => false,
+            "delete" => true,
+            _ => return None,
+        };
+        let has_row = c.get("row").is_some_and(|r| *r != Value::Null);
+        Some(Delivered {
+            identity: identity_of(m, change)?,
+            version: c.get("server_version")?.as_str()?.to_owned(),
+            removes: delete && !has_row,
+            tombstone: delete && has_row,
+        })
+    }
+}
+
+/// No page's cursor passes an effect the page did not deliver, judged on
+/// the page itself (a later write can hide a skipped one from every
+/// checksum): for each row whose last effect through the issued cursor
+/// lies after the presented one, and that has no effect after the issued
+/// cursor, the page carries that effect.
+pub fn check_cursor_steps(steps: &[CursorStep]) -> Result<(), Vec<String>> {
+    let mut v = Vec::new();
+    for s in steps {
+        let mut last: BTreeMap<&[u8], &EffectView> = BTreeMap::new();
+        let mut later: BTreeSet<&[u8]> = BTreeSet::new();
+        for e in s.effects.iter().filter(|e| e.position > s.presented) {
+            if e.position <= s.issued {
+                last.insert(&e.identity, e);
+            } else {
+                later.insert(&e.identity);
+            }
+        }
+        for (identity, e) in last {
+            if later.contains(identity) {
+                continue; // a later page delivers the row
+            }
+            let carried = s.delivered.iter().any(|d| {
+                d.identity == identity
+                    && d.removes == e.removes
+                    && d.tombstone == e.tombstone
+                    && (e.removes || d.version == e.version)
+            });
+            if !carried {
+                v.push(format!(
+                    "{}: {}: a cursor issued at {:?} passed the effect at {:?} (version {}) that its page did not carry",
+                    s.client, s.scope, s.issued, e.position, e.version
+                ));
+            }
+        }
+    }
+    if v.is_empty() { Ok(()) } else { Err(v) }
+}
+
 /// One scope of one answered pull, beside the retention floor: the floor
 /// read before the request and after the answer (it only moves forward,
 /// so the floor the server judged by lies between).
@@ -760,6 +851,44 @@ mod tests {
             removes,
             tombstone: false,
         }
+    }
+
+    #[test]
+    fn the_cursor_step_check_catches_a_skipped_effect() {
+        let delivered = |row: u8, version: &str| Delivered {
+            identity: vec![row],
+            version: version.into(),
+            removes: false,
+            tombstone: false,
+        };
+        let step = |issued: u64, delivered: Vec<Delivered>| CursorStep {
+            client: "c".into(),
+            scope: "user:u".into(),
+            presented: at(2),
+            issued: at(issued),
+            // Row 1 before the presented cursor; row 2 twice after it; row
+            // 3 once, then again past a cursor at 5.
+            effects: vec![
+                effect(1, 1, "v1", false),
+                effect(2, 3, "v2", false),
+                effect(3, 4, "v3", false),
+                effect(2, 5, "v4", false),
+                effect(3, 6, "v5", false),
+            ],
+            delivered,
+        };
+        assert!(check_cursor_steps(&[step(5, vec![delivered(2, "v4")])]).is_ok());
+        assert!(
+            check_cursor_steps(&[step(6, vec![delivered(2, "v4"), delivered(3, "v5")])]).is_ok()
+        );
+        assert!(
+            check_cursor_steps(&[step(6, vec![delivered(2, "v4"), delivered(3, "v3")])]).is_err(),
+            "row 3's last effect skipped, an older one carried"
+        );
+        assert!(
+            check_cursor_steps(&[step(5, vec![delivered(2, "v2")])]).is_err(),
+            "row 2's last effect before the cursor skipped"
+        );
     }
 
     fn held(rows: &[(u8, &str)]) -> BTreeMap<Vec<u8>, LocalRow> {

@@ -27,7 +27,7 @@ use client::local::{
 };
 use client::{Answer, Client, Config, Endpoint, MemoryStore, SyncError, Transport, TransportError};
 use client::{Write, WriteOp};
-use invariants::pull::FloorSeen;
+use invariants::pull::{CursorStep, Delivered, FloorSeen};
 use invariants::system::{Authored, ClientEnd, GrantChange, HeldRow, ServerEnd, Settled};
 use invariants::tokens::TokenUse;
 use madsim::net::NetSim;
@@ -122,6 +122,9 @@ pub struct SystemTrace {
     pub mutated: bool,
     /// Each answered pull's user scopes beside the retention floor.
     pub floor: Vec<FloorSeen>,
+    /// Each answered pull's user scopes: the cursors presented and issued,
+    /// the effects between, and what the page carried.
+    pub cursor_steps: Vec<CursorStep>,
     /// Token key rotations the operator completed (ADR 0025).
     pub rotations: usize,
     /// Every answered pull and rebuild, with the keys of its tokens.
@@ -407,6 +410,9 @@ impl Transport for SimTransport {
                                 self.last_rebuild_page = Some(b.clone());
                             }
                         }
+                        if status == 200 && let Some((_, presented)) = &presented {
+                            self.record_cursor_steps(presented, &b).await;
+                        }
                         if status == 200 {
                             if endpoint == Endpoint::Pull
                                 && self.mutant == Some(SystemMutant::KeepRemovedRows)
@@ -476,6 +482,50 @@ impl SimTransport {
                 rebuilt: rebuild.contains(&Value::string(scope.as_str())),
             });
         }
+    }
+
+    /// Records each presented user scope that `page` issues a cursor for,
+    /// with the scope's effects now (the page's cursors are behind them).
+    async fn record_cursor_steps(
+        &self,
+        (client, presented): &(String, Vec<(String, StreamPosition)>),
+        page: &[u8],
+    ) {
+        let Ok(v) = json::parse(page) else { return };
+        let (Some(Value::Object(issued)), Some(Value::Array(changes))) = (
+            v.as_object().and_then(|o| o.get("scope_cursors")),
+            v.as_object().and_then(|o| o.get("changes")),
+        ) else {
+            return;
+        };
+        let manifest = {
+            let mut tx = self.store.begin().await.expect("begin");
+            tx.manifests().await.expect("manifests").pop()
+        };
+        let Some(manifest) = manifest else { return };
+        let now = crate::pull::boundary_now(&self.store).await;
+        let mut steps = Vec::new();
+        for (scope, presented) in presented {
+            let Some(token) = issued.get(scope).and_then(Value::as_str) else {
+                continue;
+            };
+            let Some(issued) = verified_position(&self.store, token).await else {
+                continue;
+            };
+            let mut effects = crate::pull::effects_of(&self.store, scope, now).await;
+            effects.retain(|e| e.position > *presented);
+            steps.push(CursorStep {
+                client: client.clone(),
+                scope: scope.clone(),
+                presented: *presented,
+                issued,
+                effects,
+                delivered: (changes.iter())
+                    .filter_map(|c| Delivered::of(&manifest, scope, c))
+                    .collect(),
+            });
+        }
+        self.trace.lock().expect("trace").cursor_steps.extend(steps);
     }
 
     /// Whether `page` removes a scope the device holds rows of (so the
