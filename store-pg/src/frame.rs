@@ -12,12 +12,11 @@ use crate::sql::{to_i64, to_u64};
 use crate::stream::{
     CHECKPOINT_ARRAYS, STREAM_COLUMNS, UNSATISFIED_FENCES, checkpoints_at, stream_at,
 };
-use crate::{CLIENT_COLUMNS, PgTx, client_at, db_error};
+use crate::{CLIENT_COLUMNS, CLIENT_WIDTH as CLIENT, PgTx, client_at, db_error};
 
 /// Columns of each part, in the statement's order.
 const PROGRESS: usize = 7;
 const STREAM: usize = 5;
-const CLIENT: usize = 11;
 
 impl PgTx {
     pub(crate) async fn read_request_frame(

@@ -37,7 +37,9 @@ use actors::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use actors::staging::{RebuildSession, RebuildUsage, StagedRow};
-use actors::store::{ClientRecord, RequestFrame, Store, StoreError, StoreTx};
+use actors::store::{
+    ClientRecord, LedgerLookup, PushFrame, RequestFrame, Store, StoreError, StoreTx,
+};
 use actors::stream::{Checkpoint, MembershipRules, StreamState};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -181,6 +183,8 @@ fn bind_client<'q>(
 const CLIENT_COLUMNS: &str = "c.user_id, c.generation, c.retired, c.installed_version, \
     c.installed_hash, c.scope_set_version, c.assigned, c.accepted_write_epoch, c.continued, \
     c.ever_assigned, c.registered_at";
+/// How many columns [`CLIENT_COLUMNS`] names.
+const CLIENT_WIDTH: usize = 11;
 
 /// The client `client_id` in `r`'s columns from `at` ([`CLIENT_COLUMNS`]);
 /// `None` where they are null (an outer join found no such client).
@@ -809,6 +813,26 @@ impl StoreTx for PgTx {
 
     async fn record_push(&mut self, r: &PushRecord) -> Result<(), StoreError> {
         self.write_push_record(r).await
+    }
+
+    async fn push_frame(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        lookup: Option<LedgerLookup<'_>>,
+    ) -> Result<PushFrame, StoreError> {
+        self.read_push_frame(user_id, client_id, lookup).await
+    }
+
+    async fn complete_push(
+        &mut self,
+        r: &PushRecord,
+        client: Option<&ClientRecord>,
+    ) -> Result<(), StoreError> {
+        match client {
+            None => self.write_push_record(r).await,
+            Some(c) => self.write_push_record_and_client(r, c).await,
+        }
     }
 
     async fn begin_writes(&mut self, w: &Writer) -> Result<(), StoreError> {

@@ -26,14 +26,14 @@ use protocol::wire::push::{
     Mutation, Outcome, OutcomeEntry, OutcomeHead, PushRequest, PushResponse, TerminalCode,
 };
 
-use self::contract::{PushRecord, StoredBatch, StoredMutation, WriteTarget, Writer};
+use self::contract::{LedgerEntries, PushRecord, StoredBatch, StoredMutation, WriteTarget, Writer};
 use self::evaluate::{Early, Planned, TableRules};
 use crate::admission::Admission;
 use crate::config::SyncConfig;
 use crate::materializer::{Model, Table};
 use crate::registry::{SchemaHistory, next_counter, store_error};
 use crate::reply::Reply;
-use crate::store::{Store, StoreTx};
+use crate::store::{LedgerLookup, PushFrame, Store, StoreTx};
 
 /// A registered table as push sees it.
 struct PushTable {
@@ -154,17 +154,33 @@ impl<S: Store> Ledger<S> {
             .ok()
             .and_then(protocol::wire::client_id_member)
             .map(str::to_owned);
-        let mut tx = self.store.begin().await.map_err(store_error)?;
-        let client = match &named {
-            Some(client_id) => tx.lock_client(client_id).await.map_err(store_error)?,
-            None => None,
+        // 3. Structure, with every limit: read now so that the ledger is
+        // asked in the same step as the binding (ADR 0031); judged after it.
+        let request = parsed.and_then(PushRequest::from_value);
+        let ids: Vec<_> = match &request {
+            Ok(r) => r.mutations.iter().map(|m| m.mutation_id).collect(),
+            Err(_) => Vec::new(),
         };
+        let lookup = request.as_ref().ok().map(|r| LedgerLookup {
+            batch_id: r.batch_id,
+            mutation_ids: &ids,
+        });
+        let mut tx = self.store.begin().await.map_err(store_error)?;
+        let frame = match &named {
+            Some(client_id) => {
+                (tx.push_frame(user_id, client_id, lookup).await).map_err(store_error)?
+            }
+            None => PushFrame {
+                client: None,
+                ledger: LedgerEntries::default(),
+            },
+        };
+        let client = frame.client;
         if named.is_some() && client.as_ref().is_none_or(|c| c.user_id != user_id) {
             // A client that never connected, or one bound to another user.
             return Err(ProtocolError::new(ErrorKind::AuthRequired));
         }
-        // 3. Structure, with every limit.
-        let req = PushRequest::from_value(parsed?)?;
+        let req = request?;
         let Some(mut client) = client else {
             return Err(ProtocolError::new(ErrorKind::AuthRequired));
         };
@@ -174,11 +190,7 @@ impl<S: Store> Ledger<S> {
         }
         // 5. Completed batch and mutation replay.
         let fingerprint = batch_fingerprint(user_id, &req.client_id, &req);
-        let ids: Vec<_> = req.mutations.iter().map(|m| m.mutation_id).collect();
-        let entries = tx
-            .push_ledger(user_id, &req.client_id, req.batch_id, &ids)
-            .await
-            .map_err(store_error)?;
+        let entries = frame.ledger;
         if let Some(batch) = entries.batch {
             if batch.fingerprint != fingerprint {
                 return Err(ProtocolError::new(ErrorKind::IdempotencyConflict));
@@ -293,16 +305,15 @@ impl<S: Store> Ledger<S> {
                 })
                 .collect(),
         };
-        tx.record_push(&record).await.map_err(store_error)?;
         // A push closes the replay of the client's first connect.
         let first_use = !client.continued;
         client.continued = true;
         if applied {
             client.accepted_write_epoch = next_counter(client.accepted_write_epoch)?;
         }
-        if applied || first_use {
-            tx.put_client(&client).await.map_err(store_error)?;
-        }
+        (tx.complete_push(&record, (applied || first_use).then_some(&client)))
+            .await
+            .map_err(store_error)?;
         tx.commit().await.map_err(store_error)?;
         Ok(Reply::ok(body))
     }

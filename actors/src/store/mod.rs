@@ -70,6 +70,23 @@ pub struct RequestFrame {
     pub checkpoints: BTreeMap<ScopeId, Checkpoint>,
 }
 
+/// The identities a push asks the ledger for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LedgerLookup<'a> {
+    pub batch_id: CanonicalUuid,
+    pub mutation_ids: &'a [CanonicalUuid],
+}
+
+/// The first read of a push, in one step (ADR 0031).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushFrame {
+    /// The named client (under any user), locked until commit.
+    pub client: Option<ClientRecord>,
+    /// The request's ledger entries; none unless the client is bound to
+    /// the pushing user, not retired, and the request was well formed.
+    pub ledger: LedgerEntries,
+}
+
 /// The durable state of one client identity.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClientRecord {
@@ -661,6 +678,61 @@ pub trait StoreTx: Send {
         &mut self,
         r: &PushRecord,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The first read of a push ([`PushFrame`]): what
+    /// [`StoreTx::lock_client`] reads for `client_id` and, when that client
+    /// is bound to `user_id` and not retired and a `lookup` is given,
+    /// [`StoreTx::push_ledger`] reads, in one step. A store may read it all
+    /// at once (ADR 0031).
+    fn push_frame(
+        &mut self,
+        user_id: &str,
+        client_id: &str,
+        lookup: Option<LedgerLookup<'_>>,
+    ) -> impl Future<Output = Result<PushFrame, StoreError>> + Send
+    where
+        Self: Send,
+    {
+        async move {
+            let client = self.lock_client(client_id).await?;
+            let ledger = match lookup {
+                Some(l)
+                    if client
+                        .as_ref()
+                        .is_some_and(|c| c.user_id == user_id && !c.retired) =>
+                {
+                    (self.push_ledger(user_id, client_id, l.batch_id, l.mutation_ids)).await?
+                }
+                _ => LedgerEntries::default(),
+            };
+            Ok(PushFrame { client, ledger })
+        }
+    }
+
+    /// The last writes of a push: [`StoreTx::record_push`], then, when
+    /// given, [`StoreTx::put_client`] of the client `r` names, in one step.
+    /// A store may write both at once (ADR 0031).
+    fn complete_push(
+        &mut self,
+        r: &PushRecord,
+        client: Option<&ClientRecord>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send
+    where
+        Self: Send,
+    {
+        async move {
+            if client.is_some_and(|c| (&c.user_id, &c.client_id) != (&r.user_id, &r.client_id)) {
+                return Err(StoreError::Integrity(
+                    "a push completed for another client".into(),
+                ));
+            }
+            self.record_push(r).await?;
+            if let Some(c) = client {
+                self.put_client(c).await?;
+            }
+            Ok(())
+        }
+    }
 
     /// From here on, source writes run as `writer`: its row security applies
     /// and its writes leave fences pending for its client.

@@ -1309,6 +1309,108 @@ pub async fn push_store_suite<S: Store>(store: &S) {
     ));
     drop(tx);
 
+    // A push's frame and its completion read and write what the single
+    // steps do (ADR 0031).
+    let mut client = ClientRecord {
+        user_id: "u1".into(),
+        client_id: "c-frame".into(),
+        generation: 1,
+        retired: false,
+        installed_schema: None,
+        scope_set_version: 0,
+        assigned: Default::default(),
+        ever_assigned: Default::default(),
+        accepted_write_epoch: 0,
+        continued: false,
+        registered_at: 7,
+    };
+    let framed = PushRecord {
+        client_id: "c-frame".into(),
+        ..record.clone()
+    };
+    let mut tx = store.begin().await.unwrap();
+    assert!(tx.insert_client(&client).await.unwrap());
+    client.continued = true;
+    client.accepted_write_epoch = 1;
+    let stranger = ClientRecord {
+        client_id: "c1".into(),
+        ..client.clone()
+    };
+    assert!(
+        matches!(
+            tx.complete_push(&framed, Some(&stranger)).await,
+            Err(StoreError::Integrity(_))
+        ),
+        "the record and the client name one client"
+    );
+    tx.complete_push(&framed, Some(&client)).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let lookup = crate::store::LedgerLookup {
+        batch_id: id(batch_id(1)),
+        mutation_ids: &ids,
+    };
+    for (user, named, asked) in [
+        ("u1", "c-frame", Some(lookup)),
+        ("u1", "c-frame", None),
+        ("u2", "c-frame", Some(lookup)),
+        ("u1", "c-unknown", Some(lookup)),
+    ] {
+        let frame = tx.push_frame(user, named, asked).await.unwrap();
+        assert_eq!(frame.client, tx.lock_client(named).await.unwrap());
+        let bound = frame.client.as_ref().is_some_and(|c| c.user_id == user);
+        let want = match asked {
+            Some(l) if bound => (tx.push_ledger(user, named, l.batch_id, l.mutation_ids))
+                .await
+                .unwrap(),
+            _ => LedgerEntries::default(),
+        };
+        assert_eq!(frame.ledger, want, "{user} {named} {asked:?}");
+    }
+    let frame = tx.push_frame("u1", "c-frame", Some(lookup)).await.unwrap();
+    assert_eq!(frame.client.as_ref(), Some(&client), "the client written");
+    assert_eq!(
+        frame.ledger,
+        LedgerEntries {
+            batch: Some(framed.batch.clone()),
+            mutations: framed.mutations.clone(),
+        },
+        "the ledger written"
+    );
+    assert!(matches!(
+        tx.complete_push(&framed, None).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
+    // A retired client's ledger is not read.
+    let mut tx = store.begin().await.unwrap();
+    client.retired = true;
+    tx.put_client(&client).await.unwrap();
+    let frame = tx.push_frame("u1", "c-frame", Some(lookup)).await.unwrap();
+    assert_eq!(frame.client.as_ref(), Some(&client));
+    assert_eq!(frame.ledger, LedgerEntries::default());
+    drop(tx);
+    // A client that is not bound is an integrity failure, as for put_client.
+    let mut tx = store.begin().await.unwrap();
+    let unbound = PushRecord {
+        client_id: "c-unbound".into(),
+        batch: StoredBatch {
+            batch_id: id(batch_id(2)),
+            ..record.batch.clone()
+        },
+        mutations: Vec::new(),
+        ..record.clone()
+    };
+    let ghost = ClientRecord {
+        client_id: "c-unbound".into(),
+        ..client.clone()
+    };
+    assert!(matches!(
+        tx.complete_push(&unbound, Some(&ghost)).await,
+        Err(StoreError::Integrity(_))
+    ));
+    drop(tx);
+
     // Source writes.
     let writer = Writer {
         user_id: "u1".into(),

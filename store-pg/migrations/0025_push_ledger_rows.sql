@@ -1,0 +1,25 @@
+-- ADR 0031: a push reads its client's row locked and its ledger rows in one
+-- statement. The ledger rows come from this function, called after the
+-- lock in the same statement: VOLATILE, so each of its queries takes a
+-- snapshot of its own, which includes a batch that the lock's previous
+-- holder committed while this push waited for it. (The statement's own
+-- snapshot is older than the wait.) Planned at each call, as the lookup
+-- was: a cached generic plan would keep the scan chosen while the tables
+-- were small.
+CREATE FUNCTION synchro.push_ledger_rows(
+    p_user text, p_client text, p_batch uuid, p_mutations uuid[]
+) RETURNS TABLE (
+    kind text, mutation_id text, batch_id text, fingerprint bytea, status smallint, body bytea
+) LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY EXECUTE
+        'SELECT ''b''::text, NULL::text, NULL::text, b.fingerprint, b.status, b.body '
+        'FROM synchro.push_batches b '
+        'WHERE b.user_id = $1 AND b.client_id = $2 AND b.batch_id = $3 '
+        'UNION ALL '
+        'SELECT ''m'', m.mutation_id::text, m.batch_id::text, m.fingerprint, NULL::smallint, m.outcome '
+        'FROM synchro.push_mutations m '
+        'WHERE m.user_id = $1 AND m.client_id = $2 AND m.mutation_id = ANY($4)'
+        USING p_user, p_client, p_batch, p_mutations;
+END
+$$;
