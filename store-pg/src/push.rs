@@ -316,54 +316,55 @@ impl PgTx {
             columns.push(select_text("r", c));
         }
         let pk = &target.primary_key;
+        let width = target.columns.len();
+        // One statement (ADR 0031): the visible rows locked (kind `r`),
+        // then every key's version (kind `v`), read by a function of the
+        // lock's count, so after the lock, with a snapshot of its own (the
+        // statement's is older than a wait for another writer).
         let sql = format!(
-            "SELECT r.\"{pk}\"::text, {} FROM {} r WHERE r.\"{pk}\" = ANY($1::text[]::{pk_type}[]) \
-             ORDER BY r.\"{pk}\" FOR UPDATE",
+            "WITH locked AS MATERIALIZED ( \
+               SELECT r.\"{pk}\"::text, {} FROM {} r \
+               WHERE r.\"{pk}\" = ANY($1::text[]::{pk_type}[]) ORDER BY r.\"{pk}\" FOR UPDATE), \
+             gate AS MATERIALIZED (SELECT count(*) AS n FROM locked) \
+             SELECT 'r'::text, l.*, NULL::text, NULL::boolean FROM locked l \
+             UNION ALL \
+             SELECT 'v', v.key, {}v.version, v.deleted \
+             FROM gate CROSS JOIN LATERAL synchro.row_versions_after_lock($2, $1, gate.n) v",
             columns.join(", "),
-            quote_relation(&target.relation)
+            quote_relation(&target.relation),
+            "NULL, ".repeat(width),
         );
         let rows = sqlx::query(&sql)
+            // Planned for each call: a cached generic plan would keep the
+            // scan chosen while the tables were small.
             .persistent(false)
             .bind(keys)
+            .bind(&target.table_id)
             .fetch_all(&mut *self.tx)
             .await
             .map_err(db_error)?;
         let mut visible = BTreeMap::new();
+        let mut versions = BTreeMap::new();
         for r in rows {
-            let key: String = r.try_get(0).map_err(db_error)?;
-            let mut image = BTreeMap::new();
-            for (i, c) in target.columns.iter().enumerate() {
-                image.insert(
-                    c.clone(),
-                    r.try_get::<Option<String>, _>(i + 1).map_err(db_error)?,
-                );
+            let kind: String = r.try_get(0).map_err(db_error)?;
+            let key: String = r.try_get(1).map_err(db_error)?;
+            if kind == "r" {
+                let mut image = BTreeMap::new();
+                for (i, c) in target.columns.iter().enumerate() {
+                    image.insert(
+                        c.clone(),
+                        r.try_get::<Option<String>, _>(i + 2).map_err(db_error)?,
+                    );
+                }
+                visible.insert(key, image);
+            } else {
+                let version = VersionRecord {
+                    version: r.try_get(width + 2).map_err(db_error)?,
+                    deleted: r.try_get(width + 3).map_err(db_error)?,
+                };
+                versions.insert(key, version);
             }
-            visible.insert(key, image);
         }
-        let versions: BTreeMap<String, VersionRecord> = sqlx::query(
-            "SELECT key, version, deleted FROM synchro.row_versions \
-             WHERE table_id = $1 AND key = ANY($2)",
-        )
-        // Planned for each call: a cached generic plan would keep the scan
-        // chosen while the table was small.
-        .persistent(false)
-        .bind(&target.table_id)
-        .bind(keys)
-        .fetch_all(&mut *self.tx)
-        .await
-        .map_err(db_error)?
-        .into_iter()
-        .map(|r| {
-            Ok((
-                r.try_get(0)?,
-                VersionRecord {
-                    version: r.try_get(1)?,
-                    deleted: r.try_get(2)?,
-                },
-            ))
-        })
-        .collect::<Result<_, sqlx::Error>>()
-        .map_err(db_error)?;
         Ok(keys
             .iter()
             .map(|key| FoundRow {

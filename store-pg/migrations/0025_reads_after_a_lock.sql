@@ -23,3 +23,19 @@ BEGIN
         USING p_user, p_client, p_batch, p_mutations;
 END
 $$;
+
+-- The same for a push's rows: their versions are read, by the writer,
+-- after the statement that calls this has locked the rows, which may have
+-- waited for another writer of them. `p_locked` (the count of rows
+-- locked) only ties the call to the lock.
+CREATE FUNCTION synchro.row_versions_after_lock(
+    p_table text, p_keys text[], p_locked bigint
+) RETURNS TABLE (key text, version text, deleted boolean)
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN QUERY EXECUTE
+        'SELECT v.key, v.version, v.deleted FROM synchro.row_versions v '
+        'WHERE v.table_id = $1 AND v.key = ANY($2)'
+        USING p_table, p_keys;
+END
+$$;
