@@ -122,10 +122,10 @@ impl PgTx {
         }
         let sql = format!(
             "WITH batch AS ({INSERT_BATCH}), mutations AS ({INSERT_MUTATIONS}), \
-               client AS (UPDATE synchro.clients SET generation = $11, retired = $12, \
-                 installed_version = $13, installed_hash = $14, scope_set_version = $15, \
-                 assigned = $16, accepted_write_epoch = $17, continued = $18, \
-                 ever_assigned = $19 \
+               client AS (UPDATE synchro.clients SET generation = $13, retired = $14, \
+                 installed_version = $15, installed_hash = $16, scope_set_version = $17, \
+                 assigned = $18, accepted_write_epoch = $19, continued = $20, \
+                 ever_assigned = $21 \
                WHERE client_id = $2 AND user_id = $1 RETURNING 1) \
              SELECT count(*) FROM client"
         );
@@ -160,13 +160,31 @@ const INSERT_BATCH: &str = "INSERT INTO synchro.push_batches \
        (user_id, client_id, batch_id, fingerprint, status, body) \
      VALUES ($1, $2, $3::uuid, $4, $5, $6)";
 
-/// The mutation rows, over `$1`, `$2` and `$7` to `$10` of [`bind_record`].
+/// The mutation rows, over `$1`, `$2` and `$7` to `$12` of [`bind_record`]:
+/// each outcome either as bytes or as where they lie in the batch's answer
+/// (migration 0026).
 const INSERT_MUTATIONS: &str = "INSERT INTO synchro.push_mutations \
-       (user_id, client_id, mutation_id, batch_id, fingerprint, outcome) \
-     SELECT $1, $2, m::uuid, b::uuid, f, o \
-     FROM UNNEST($7::text[], $8::text[], $9::bytea[], $10::bytea[]) AS u(m, b, f, o)";
+       (user_id, client_id, mutation_id, batch_id, fingerprint, outcome, outcome_at, outcome_len) \
+     SELECT $1, $2, m::uuid, b::uuid, f, o, a, n \
+     FROM UNNEST($7::text[], $8::text[], $9::bytea[], $10::bytea[], $11::int4[], $12::int4[]) \
+       AS u(m, b, f, o, a, n)";
 
-/// Binds `r` as `$1` to `$10`.
+/// Where `outcome` lies in `body`, when it lies there verbatim: the
+/// mutation row then refers to the batch's answer instead of a copy.
+fn outcome_in(body: &[u8], outcome: &[u8]) -> Option<(i32, i32)> {
+    if outcome.is_empty() {
+        return None;
+    }
+    let at = memchr::memmem::find(body, outcome)?;
+    let found = (i32::try_from(at).ok()?, i32::try_from(outcome.len()).ok()?);
+    assert!(
+        body.get(at..at + outcome.len()) == Some(outcome),
+        "an outcome refers to its own bytes"
+    );
+    Some(found)
+}
+
+/// Binds `r` as `$1` to `$12`.
 fn bind_record<'q>(
     q: sqlx::query::Query<'q, Postgres, PgArguments>,
     r: &'q PushRecord,
@@ -175,7 +193,22 @@ fn bind_record<'q>(
     let ids: Vec<String> = m.iter().map(|m| m.mutation_id.to_string()).collect();
     let batches: Vec<String> = m.iter().map(|m| m.batch_id.to_string()).collect();
     let fingerprints: Vec<Vec<u8>> = m.iter().map(|m| m.fingerprint.0.to_vec()).collect();
-    let outcomes: Vec<&[u8]> = m.iter().map(|m| m.outcome.as_slice()).collect();
+    // A fresh mutation's outcome is in its own batch's answer.
+    let found: Vec<Option<(i32, i32)>> = m
+        .iter()
+        .map(|m| {
+            (m.batch_id == r.batch.batch_id)
+                .then(|| outcome_in(&r.batch.body, &m.outcome))
+                .flatten()
+        })
+        .collect();
+    let outcomes: Vec<Option<&[u8]>> = m
+        .iter()
+        .zip(&found)
+        .map(|(m, f)| f.is_none().then_some(m.outcome.as_slice()))
+        .collect();
+    let at: Vec<Option<i32>> = found.iter().map(|f| f.map(|(a, _)| a)).collect();
+    let len: Vec<Option<i32>> = found.iter().map(|f| f.map(|(_, n)| n)).collect();
     q.bind(&r.user_id)
         .bind(&r.client_id)
         .bind(r.batch.batch_id.to_string())
@@ -186,6 +219,8 @@ fn bind_record<'q>(
         .bind(batches)
         .bind(fingerprints)
         .bind(outcomes)
+        .bind(at)
+        .bind(len)
 }
 
 /// A ledger identity stored twice is an integrity failure.

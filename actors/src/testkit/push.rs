@@ -1309,6 +1309,51 @@ pub async fn push_store_suite<S: Store>(store: &S) {
     ));
     drop(tx);
 
+    // An outcome that its batch's answer holds verbatim (a store may keep
+    // it once) reads back exactly, beside one that it does not hold.
+    let held = b"{\"outcome\":3}".to_vec();
+    let within = PushRecord {
+        batch: StoredBatch {
+            batch_id: id(batch_id(3)),
+            fingerprint: Digest([3; 32]),
+            status: 200,
+            body: [&b"{\"accepted\":["[..], &held, &b"]}"[..]].concat(),
+        },
+        mutations: vec![
+            StoredMutation {
+                mutation_id: id(mutation_id(3)),
+                batch_id: id(batch_id(3)),
+                fingerprint: Digest([4; 32]),
+                outcome: held,
+            },
+            StoredMutation {
+                mutation_id: id(mutation_id(4)),
+                batch_id: id(batch_id(3)),
+                fingerprint: Digest([5; 32]),
+                outcome: b"{\"outcome\":4}".to_vec(),
+            },
+        ],
+        ..record.clone()
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.record_push(&within).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let asked = [id(mutation_id(4)), id(mutation_id(3))];
+    let mut got = tx
+        .push_ledger("u1", "c1", id(batch_id(3)), &asked)
+        .await
+        .unwrap();
+    got.mutations.sort_by_key(|m| m.mutation_id.to_string());
+    assert_eq!(
+        got,
+        LedgerEntries {
+            batch: Some(within.batch.clone()),
+            mutations: within.mutations.clone(),
+        }
+    );
+    drop(tx);
+
     // A push's frame and its completion read and write what the single
     // steps do (ADR 0031).
     let mut client = ClientRecord {
