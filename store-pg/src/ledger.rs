@@ -169,19 +169,33 @@ const INSERT_MUTATIONS: &str = "INSERT INTO synchro.push_mutations \
      FROM UNNEST($7::text[], $8::text[], $9::bytea[], $10::bytea[], $11::int4[], $12::int4[]) \
        AS u(m, b, f, o, a, n)";
 
-/// Where `outcome` lies in `body`, when it lies there verbatim: the
-/// mutation row then refers to the batch's answer instead of a copy.
-fn outcome_in(body: &[u8], outcome: &[u8]) -> Option<(i32, i32)> {
-    if outcome.is_empty() {
-        return None;
-    }
-    let at = memchr::memmem::find(body, outcome)?;
-    let found = (i32::try_from(at).ok()?, i32::try_from(outcome.len()).ok()?);
-    assert!(
-        body.get(at..at + outcome.len()) == Some(outcome),
-        "an outcome refers to its own bytes"
-    );
-    Some(found)
+/// Where each of `outcomes` lies in `body`, for those that lie there
+/// verbatim: such a mutation row refers to the batch's answer instead of
+/// holding a copy. The answer holds the outcomes mostly in their order, so
+/// each search starts where the last one ended, and only a miss searches
+/// the whole answer again.
+fn outcomes_in<'a>(
+    body: &[u8],
+    outcomes: impl Iterator<Item = &'a [u8]>,
+) -> Vec<Option<(i32, i32)>> {
+    let mut from = 0;
+    outcomes
+        .map(|outcome| {
+            if outcome.is_empty() {
+                return None;
+            }
+            let at = match memchr::memmem::find(&body[from..], outcome) {
+                Some(i) => from + i,
+                None => memchr::memmem::find(body, outcome)?,
+            };
+            assert!(
+                body.get(at..at + outcome.len()) == Some(outcome),
+                "an outcome refers to its own bytes"
+            );
+            from = at + outcome.len();
+            Some((i32::try_from(at).ok()?, i32::try_from(outcome.len()).ok()?))
+        })
+        .collect()
 }
 
 /// Binds `r` as `$1` to `$12`.
@@ -193,15 +207,15 @@ fn bind_record<'q>(
     let ids: Vec<String> = m.iter().map(|m| m.mutation_id.to_string()).collect();
     let batches: Vec<String> = m.iter().map(|m| m.batch_id.to_string()).collect();
     let fingerprints: Vec<Vec<u8>> = m.iter().map(|m| m.fingerprint.0.to_vec()).collect();
-    // A fresh mutation's outcome is in its own batch's answer.
-    let found: Vec<Option<(i32, i32)>> = m
-        .iter()
-        .map(|m| {
-            (m.batch_id == r.batch.batch_id)
-                .then(|| outcome_in(&r.batch.body, &m.outcome))
-                .flatten()
-        })
-        .collect();
+    // A fresh mutation's outcome is in its own batch's answer (an empty
+    // one is never looked for).
+    let found = outcomes_in(
+        &r.batch.body,
+        m.iter().map(|m| match m.batch_id == r.batch.batch_id {
+            true => &m.outcome[..],
+            false => &[],
+        }),
+    );
     let outcomes: Vec<Option<&[u8]>> = m
         .iter()
         .zip(&found)
@@ -275,4 +289,33 @@ fn digest(bytes: Vec<u8>) -> Result<Digest, StoreError> {
     <[u8; 32]>::try_from(bytes)
         .map(Digest)
         .map_err(|_| StoreError::Integrity("stored fingerprint".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::outcomes_in;
+
+    #[test]
+    fn outcomes_are_found_in_order_out_of_order_or_not_at_all() {
+        let body = br#"{"accepted":[{"a":1},{"b":2}],"rejected":[{"c":3}]}"#;
+        let found = outcomes_in(
+            body,
+            [
+                &br#"{"c":3}"#[..],
+                br#"{"a":1}"#,
+                br#"{"b":2}"#,
+                br#"{"d":4}"#,
+                b"",
+            ]
+            .into_iter(),
+        );
+        assert_eq!(
+            found,
+            [Some((42, 7)), Some((13, 7)), Some((21, 7)), None, None]
+        );
+        for (f, o) in found.iter().zip([&br#"{"c":3}"#[..], br#"{"a":1}"#]) {
+            let (at, len) = f.unwrap();
+            assert_eq!(&body[at as usize..][..len as usize], o);
+        }
+    }
 }
