@@ -714,19 +714,8 @@ impl<S: Store> Registry<S> {
         existing: Option<ClientRecord>,
         now_micros: i64,
     ) -> Result<(ClientRecord, bool), ProtocolError> {
-        let fresh_record = |generation| ClientRecord {
-            registered_at: now_micros,
-            user_id: user_id.to_owned(),
-            client_id: req.client_id.clone(),
-            generation,
-            retired: false,
-            installed_schema: None,
-            scope_set_version: 0,
-            assigned: BTreeSet::new(),
-            ever_assigned: BTreeSet::new(),
-            accepted_write_epoch: 0,
-            continued: false,
-        };
+        let fresh_record =
+            |generation| ClientRecord::fresh(user_id, &req.client_id, generation, now_micros);
         let sentinel_misuse = || {
             let received = schema_value(&req.schema);
             ProtocolError::invalid_schema_reference(Some(&received)).with_message(

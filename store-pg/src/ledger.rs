@@ -162,7 +162,7 @@ const INSERT_BATCH: &str = "INSERT INTO synchro.push_batches \
 
 /// The mutation rows, over `$1`, `$2` and `$7` to `$12` of [`bind_record`]:
 /// each outcome either as bytes or as where they lie in the batch's answer
-/// (migration 0026).
+/// (migration 0025).
 const INSERT_MUTATIONS: &str = "INSERT INTO synchro.push_mutations \
        (user_id, client_id, mutation_id, batch_id, fingerprint, outcome, outcome_at, outcome_len) \
      SELECT $1, $2, m::uuid, b::uuid, f, o, a, n \

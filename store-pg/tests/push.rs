@@ -120,7 +120,7 @@ async fn push_primitives_conformance() {
     let store = example_store(&cluster, "primitives").await;
     actors::testkit::push_store_suite(&store).await;
     // The suite's outcome that its batch's answer holds is stored once
-    // (migration 0026); the one it does not hold is a copy.
+    // (migration 0025); the one it does not hold is a copy.
     let kept: Vec<(bool, Option<i32>)> = sqlx::query_as(
         "SELECT outcome IS NULL, outcome_at FROM synchro.push_mutations \
          WHERE batch_id = $1::uuid ORDER BY mutation_id",

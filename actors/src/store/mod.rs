@@ -115,6 +115,26 @@ pub struct ClientRecord {
     pub registered_at: i64,
 }
 
+impl ClientRecord {
+    /// A client just bound to `user_id` at `registered_at`, in `generation`,
+    /// with nothing installed, assigned or pushed yet.
+    pub fn fresh(user_id: &str, client_id: &str, generation: u64, registered_at: i64) -> Self {
+        ClientRecord {
+            user_id: user_id.to_owned(),
+            client_id: client_id.to_owned(),
+            generation,
+            retired: false,
+            installed_schema: None,
+            scope_set_version: 0,
+            assigned: BTreeSet::new(),
+            ever_assigned: BTreeSet::new(),
+            accepted_write_epoch: 0,
+            continued: false,
+            registered_at,
+        }
+    }
+}
+
 /// What a process hears of the fences capture satisfied, whichever
 /// process leads it (ADR 0028).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1356,19 +1356,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
 
     // A push's frame and its completion read and write what the single
     // steps do (ADR 0031).
-    let mut client = ClientRecord {
-        user_id: "u1".into(),
-        client_id: "c-frame".into(),
-        generation: 1,
-        retired: false,
-        installed_schema: None,
-        scope_set_version: 0,
-        assigned: Default::default(),
-        ever_assigned: Default::default(),
-        accepted_write_epoch: 0,
-        continued: false,
-        registered_at: 7,
-    };
+    let mut client = ClientRecord::fresh("u1", "c-frame", 1, 7);
     let framed = PushRecord {
         client_id: "c-frame".into(),
         ..record.clone()
@@ -1590,19 +1578,7 @@ pub async fn push_store_suite<S: Store>(store: &S) {
     assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");
     drop(tx);
     let mut tx = store.begin().await.unwrap();
-    let mut client = ClientRecord {
-        user_id: "u\0".into(),
-        client_id: "c-nul-user".into(),
-        generation: 1,
-        retired: false,
-        installed_schema: None,
-        scope_set_version: 0,
-        assigned: Default::default(),
-        ever_assigned: Default::default(),
-        accepted_write_epoch: 0,
-        continued: false,
-        registered_at: 0,
-    };
+    let mut client = ClientRecord::fresh("u\0", "c-nul-user", 1, 0);
     let got = tx.insert_client(&client).await;
     assert!(matches!(got, Err(StoreError::Data(_))), "{got:?}");
     drop(tx);

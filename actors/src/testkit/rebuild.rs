@@ -291,19 +291,7 @@ pub async fn rebuild_store_suite<S: Store>(store: &S) {
     // superseded session is expired now, without its stage, and
     // still answers for its rebuild_id.
     let mut tx = store.begin().await.unwrap();
-    let owned = crate::store::ClientRecord {
-        user_id: "u-usage".into(),
-        client_id: "c1".into(),
-        generation: 1,
-        retired: false,
-        installed_schema: None,
-        scope_set_version: 0,
-        assigned: Default::default(),
-        ever_assigned: Default::default(),
-        accepted_write_epoch: 0,
-        continued: false,
-        registered_at: NOW,
-    };
+    let owned = crate::store::ClientRecord::fresh("u-usage", "c1", 1, NOW);
     assert!(tx.insert_client(&owned).await.unwrap());
     let on_s1 = session(30, 30, &s1);
     let on_s2 = session(31, 31, &s2);
