@@ -573,6 +573,9 @@ impl PgTx {
         &mut self,
         m: &Materialization,
     ) -> Result<(), StoreError> {
+        if m.baseline && !m.effects.is_empty() {
+            return Err(integrity("a baseline chunk carries effects"));
+        }
         self.same_generation(m.stream_generation).await?;
         let tx = &mut *self.tx;
         let advanced = sqlx::query(

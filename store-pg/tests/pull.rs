@@ -111,6 +111,9 @@ async fn a_pull_snapshot_sees_one_state() {
         .await
         .unwrap();
     let store = &world.store;
+    // A write before the stream begins is in the baseline, which has no
+    // effects (ADR 0033): this test reads effects.
+    actors::testkit::stream_begun(store).await;
     let scope = ScopeId::parse("user:su").unwrap();
     let settled_past = |before: actors::capture::CaptureProgress| async move {
         for _ in 0..1000 {

@@ -607,6 +607,9 @@ pub struct Materialization {
     pub stream_generation: u64,
     /// Rematerialization records a re-read chunk in the group moved.
     pub rematerialized: Vec<Rematerialization>,
+    /// A chunk of the baseline: rows never materialized before, which
+    /// reach clients by rebuild, so it carries no effects (ADR 0033).
+    pub baseline: bool,
 }
 
 /// One row in one scope: an entry of the membership index.

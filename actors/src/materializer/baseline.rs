@@ -204,7 +204,7 @@ pub(super) async fn materialize<S: Store>(
             ));
         }
         let mut tx = store.begin().await?;
-        let outcome = step::materialize_group(&mut tx, model, std::slice::from_ref(&chunk)).await?;
+        let outcome = step::materialize_baseline_chunk(&mut tx, model, &chunk).await?;
         if let Some((commit_lsn, problem)) = outcome.problem {
             drop(tx); // rolls this chunk back; those before it stay
             return Ok(BaselineOutcome::Quarantined {

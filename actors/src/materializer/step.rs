@@ -108,32 +108,83 @@ pub(crate) async fn materialize_group<T: StoreTx>(
     model: &Model,
     group: &[SourceTransaction],
 ) -> Result<GroupOutcome, StoreError> {
-    let mut state = prefetch(tx, model, group).await?;
+    let state = prefetch(tx, model, group, Prior::Stored).await?;
     Ok(off_the_workers(|| {
-        let mut combined: Option<Materialization> = None;
-        let mut digester = RowDigester::default();
-        for source in group {
-            state.undo.clear();
-            match materialize(&mut state, model, source, &mut digester) {
-                Ok(m) => match combined.as_mut() {
-                    None => combined = Some(m),
-                    Some(c) => absorb(c, m),
-                },
-                Err(problem) => {
-                    // The blocked transaction leaves nothing behind.
-                    state.roll_back();
-                    return GroupOutcome {
-                        combined: combined.map(|c| finish(c, &state)),
-                        problem: Some((source.commit_lsn, problem)),
-                    };
-                }
+        run(state, model, group, Effects::Emitted)
+    }))
+}
+
+/// Materializes one chunk of the baseline (ADR 0033): none of its rows was
+/// ever materialized (a baseline reads each row once, into a stream whose
+/// materialized state a reset or an empty start cleared), so no prior state
+/// of them is read; and it emits no effects: no cursor stands before the
+/// baseline (every scope answers `503` until its relations are read in
+/// full), so its rows reach clients by rebuild, from the membership index.
+pub(crate) async fn materialize_baseline_chunk<T: StoreTx>(
+    tx: &mut T,
+    model: &Model,
+    chunk: &SourceTransaction,
+) -> Result<GroupOutcome, StoreError> {
+    let group = std::slice::from_ref(chunk);
+    let state = prefetch(tx, model, group, Prior::None).await?;
+    let mut outcome = off_the_workers(|| run(state, model, group, Effects::None));
+    if let Some(m) = outcome.combined.as_mut() {
+        assert!(m.effects.is_empty(), "a baseline chunk emits no effects");
+        assert!(
+            m.put_projections.is_empty() && m.removed_projections.is_empty() && m.left.is_empty(),
+            "a baseline chunk only adds rows"
+        );
+        m.baseline = true;
+    }
+    Ok(outcome)
+}
+
+/// Whether the group's rows may have been materialized before it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Prior {
+    /// Read what the store holds of them.
+    Stored,
+    /// None can exist: every slot starts absent, unread.
+    None,
+}
+
+/// Whether a transaction's scope changes become effects.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Effects {
+    Emitted,
+    None,
+}
+
+/// Works through `group` on `state`, transaction by transaction.
+fn run(
+    mut state: State,
+    model: &Model,
+    group: &[SourceTransaction],
+    effects: Effects,
+) -> GroupOutcome {
+    let mut combined: Option<Materialization> = None;
+    let mut digester = RowDigester::default();
+    for source in group {
+        state.undo.clear();
+        match materialize(&mut state, model, source, &mut digester, effects) {
+            Ok(m) => match combined.as_mut() {
+                None => combined = Some(m),
+                Some(c) => absorb(c, m),
+            },
+            Err(problem) => {
+                // The blocked transaction leaves nothing behind.
+                state.roll_back();
+                return GroupOutcome {
+                    combined: combined.map(|c| finish(c, &state)),
+                    problem: Some((source.commit_lsn, problem)),
+                };
             }
         }
-        GroupOutcome {
-            combined: combined.map(|c| finish(c, &state)),
-            problem: None,
-        }
-    }))
+    }
+    GroupOutcome {
+        combined: combined.map(|c| finish(c, &state)),
+        problem: None,
+    }
 }
 
 /// Runs CPU-bound work (a group's projections and digests: tens of
@@ -156,6 +207,7 @@ async fn prefetch<T: StoreTx>(
     tx: &mut T,
     model: &Model,
     group: &[SourceTransaction],
+    prior: Prior,
 ) -> Result<State, StoreError> {
     let mut state = State::default();
     // Dependency rows the group changes, by identity.
@@ -170,10 +222,12 @@ async fn prefetch<T: StoreTx>(
     }
     for (relation, ids) in &changed {
         let ids: Vec<String> = ids.iter().cloned().collect();
-        for d in tx.dependency_rows_by_identity(relation, &ids).await? {
-            state
-                .dependencies
-                .insert((d.relation, d.identity), Some(d.image));
+        if prior == Prior::Stored {
+            for d in tx.dependency_rows_by_identity(relation, &ids).await? {
+                state
+                    .dependencies
+                    .insert((d.relation, d.identity), Some(d.image));
+            }
         }
         for id in ids {
             state
@@ -223,7 +277,11 @@ async fn prefetch<T: StoreTx>(
                 .projections
                 .insert((table_id.clone(), id.clone()), None);
         }
-        for p in tx.projections(table_id, &identities).await? {
+        let stored = match prior {
+            Prior::Stored => tx.projections(table_id, &identities).await?,
+            Prior::None => Vec::new(),
+        };
+        for p in stored {
             let slot = (p.table_id.clone(), p.identity.clone());
             state.existed.insert(slot.clone(), p.scopes.clone());
             state.projections.insert(slot, Some(p));
@@ -263,6 +321,7 @@ fn materialize(
     model: &Model,
     source: &SourceTransaction,
     digester: &mut RowDigester,
+    effects: Effects,
 ) -> Result<Materialization, CaptureProblem> {
     if let Some(p) = &source.problem {
         return Err(p.clone());
@@ -441,20 +500,24 @@ fn materialize(
             &version,
         );
         let tombstone = table.is_tombstone(&wire);
-        let captured = CapturedRow {
-            row: json::to_canonical_string(&wire),
-            version: version.clone(),
-            digest,
-            schema_version: Some(model.manifest.schema_version()),
-        };
-        for scope in &scopes {
-            if touched || !old_scopes.contains(scope) {
-                let op = if tombstone {
-                    EffectOp::Tombstone(captured.clone())
-                } else {
-                    EffectOp::Upsert(captured.clone())
-                };
-                out.effects.push(effect(scope, &row, &identity, op, source));
+        // A baseline's rows reach clients by rebuild: no effect, and no
+        // effect's copy of the row.
+        if effects == Effects::Emitted {
+            let captured = CapturedRow {
+                row: json::to_canonical_string(&wire),
+                version: version.clone(),
+                digest,
+                schema_version: Some(model.manifest.schema_version()),
+            };
+            for scope in &scopes {
+                if touched || !old_scopes.contains(scope) {
+                    let op = if tombstone {
+                        EffectOp::Tombstone(captured.clone())
+                    } else {
+                        EffectOp::Upsert(captured.clone())
+                    };
+                    out.effects.push(effect(scope, &row, &identity, op, source));
+                }
             }
         }
         // Leaving a scope: the row's version now, whether or not this

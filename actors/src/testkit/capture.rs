@@ -315,6 +315,9 @@ pub async fn capture_suite<W: CaptureWorld>(world: &W) {
     let engine = Engine::start(store.clone(), example_config(|s| s))
         .await
         .unwrap();
+    // A write before the stream begins is in the baseline, which clients
+    // receive by rebuild, not as effects (ADR 0033).
+    stream_begun(&store).await;
     let manifest = {
         let mut tx = store.begin().await.unwrap();
         tx.manifests().await.unwrap().pop().unwrap()
@@ -540,6 +543,7 @@ pub async fn truncate_blocks<W: CaptureWorld>(world: &W) {
     let engine = Engine::start(store.clone(), fast_config(|s| s))
         .await
         .unwrap();
+    stream_begun(&store).await;
     let lsn = world
         .write(&[Write::Insert("public.templates", &TEMPLATE)])
         .await;

@@ -172,15 +172,25 @@ pub async fn baseline_adopts_existing_rows<W: CaptureWorld>(world: &W) {
         EXISTING + 1,
         "every existing row and the racing one, verified by checksum"
     );
+    // The baseline's rows reach clients by rebuild and store no effect
+    // (ADR 0033): the racing row has one only if the stream carried it.
     let effects = effects_through_progress(&store, scope).await;
-    let mut per_row = std::collections::BTreeMap::new();
-    for e in &effects {
-        *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
-    }
-    assert_eq!(per_row.len() as u64, EXISTING + 1);
     assert!(
-        per_row.values().all(|n| *n == 1),
-        "a row materialized twice"
+        effects.len() <= 1
+            && (effects.iter()).all(|e| e.key == protocol::json::Value::string(&racing_id)),
+        "a baseline row has an effect: {} effects",
+        effects.len()
+    );
+    let mut tx = store.begin().await.unwrap();
+    let members = tx
+        .scope_members(&protocol::ids::ScopeId::parse(scope).unwrap())
+        .await
+        .unwrap();
+    drop(tx);
+    assert_eq!(
+        members.len() as u64,
+        EXISTING + 1,
+        "every row a member once"
     );
 
     // A later write to a baseline row arrives by pull.
@@ -305,56 +315,49 @@ pub async fn baseline_cut_short_is_handed_over<W: CaptureWorld>(world: &W, how: 
         CUT_SHORT + 1,
         "every existing row and the added one, verified by checksum"
     );
-    // The first chunk's rows were not read again: one effect each.
+    // The baseline's rows (its first chunk) are members with no effect
+    // (ADR 0033); the rows after it were re-read at watermarks in the
+    // stream, each with its one effect.
     let effects = effects_through_progress(&store, scope).await;
     let mut tx = store.begin().await.unwrap();
     let records = tx.rematerializations().await.unwrap();
-    drop(tx);
-    let mut per_row = std::collections::BTreeMap::new();
-    let mut last = std::collections::BTreeMap::new();
-    for e in &effects {
-        *per_row.entry(e.identity.as_bytes().to_vec()).or_insert(0) += 1;
-        last.insert(e.identity.as_bytes().to_vec(), e);
-    }
-    assert_eq!(per_row.len() as u64, CUT_SHORT + 1);
-    // A whole baseline's chunks are two positions apart below the stream;
-    // rows re-read after the hand-over are at watermarks in it.
-    let lsns = ids.iter().map(|id| {
-        let identity = protocol::digest::RowIdentity::new(
-            "tbl_notes",
-            "fld_notes_id",
-            &protocol::value::TypedValue::String(id.clone()),
-        );
-        last[identity.as_bytes()].commit_lsn
-    });
-    let (low, high) = lsns.fold((Lsn::MAX, 0), |(l, h), x| (l.min(x), h.max(x)));
-    assert!(
-        high - low > 2 * crate::capture::baseline_chunks(CUT_SHORT + 100),
-        "the rows after the first chunk were re-read, not in the baseline"
-    );
-    let title = |id: &str| {
-        let identity = protocol::digest::RowIdentity::new(
+    let identity = |id: &str| {
+        protocol::digest::RowIdentity::new(
             "tbl_notes",
             "fld_notes_id",
             &protocol::value::TypedValue::String(id.to_owned()),
-        );
-        let row = last[identity.as_bytes()]
-            .op
-            .row()
-            .expect("a row")
-            .row
-            .clone();
-        let row = json::parse(row.as_bytes()).unwrap();
+        )
+    };
+    let stored = tx
+        .projections("tbl_notes", &[identity(&ids[0])])
+        .await
+        .unwrap();
+    drop(tx);
+    let mut last = std::collections::BTreeMap::new();
+    for e in &effects {
+        let earlier = last.insert(e.identity.as_bytes().to_vec(), e);
+        assert!(earlier.is_none(), "one kept effect per row");
+    }
+    let in_baseline = (ids.iter())
+        .filter(|id| !last.contains_key(identity(id).as_bytes()))
+        .count();
+    assert!(
+        (1..=crate::capture::BASELINE_CHUNK_ROWS).contains(&in_baseline),
+        "the first chunk's rows are the baseline's, the rest re-read: {in_baseline} without an effect"
+    );
+    let title = |row: &Value| {
         row.as_object()
             .and_then(|o| o.get("fld_notes_title"))
             .cloned()
     };
-    assert_eq!(title(&ids[ids.len() - 1]), Some(Value::string("raced")));
-    assert_eq!(title(&ids[0]), Some(Value::string("old")));
-    assert!(
-        per_row.values().all(|n| *n <= 2) && per_row.values().filter(|n| **n == 2).count() <= 1,
-        "an existing row materialized twice"
-    );
+    let raced = last[identity(&ids[ids.len() - 1]).as_bytes()]
+        .op
+        .row()
+        .expect("a row");
+    let raced = json::parse(raced.row.as_bytes()).unwrap();
+    assert_eq!(title(&raced), Some(Value::string("raced")));
+    assert_eq!(stored.len(), 1, "the first row is the baseline's");
+    assert_eq!(title(&stored[0].row), Some(Value::string("old")));
     let notes = records
         .iter()
         .find(|r| r.relation == "public.notes")

@@ -17,10 +17,11 @@ use tokio::sync::watch;
 
 use super::{MemStore, MemTx};
 use crate::capture::{
-    BASELINE_CHUNK_ROWS, Baseline, CapturePlan, CaptureProblem, CaptureProgress, ChangeFeed,
-    ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization, MaterializedTransaction,
-    Projection, Quarantine, Rematerialization, RereadChunk, RereadRequest, SourceEvent,
-    SourceImage, SourceTransaction, VersionNote, baseline_chunks, baseline_position,
+    BASELINE_CHUNK_ROWS, Baseline, CapturePlan, CaptureProblem, CaptureProgress, CapturedRow,
+    ChangeFeed, ChangeKind, DependencyRow, Effect, EffectOp, Lsn, Materialization,
+    MaterializedTransaction, Membership, Projection, Quarantine, Rematerialization, RereadChunk,
+    RereadRequest, SourceEvent, SourceImage, SourceTransaction, VersionNote, baseline_chunks,
+    baseline_position,
 };
 use crate::store::StoreError;
 
@@ -839,6 +840,16 @@ impl MemTx {
                 ));
             }
         }
+        if m.baseline {
+            if !m.effects.is_empty() {
+                return Err(StoreError::Integrity(
+                    "a baseline chunk carries effects".into(),
+                ));
+            }
+            let manifest = (self.work.manifests.last())
+                .ok_or_else(|| StoreError::Integrity("a baseline without a manifest".into()))?;
+            journal_baseline(&mut c.journal, manifest, m)?;
+        }
         for e in &m.effects {
             if c.effects
                 .insert((e.scope.clone(), e.position()), e.clone())
@@ -1040,6 +1051,56 @@ impl MemTx {
     ) -> Vec<Effect> {
         effects_between(&self.work.capture.effects, scope, after, through)
     }
+}
+
+/// Journals what a rebuild serves of each row a baseline chunk added to a
+/// scope, as the upsert that joined it at the chunk's position (in
+/// row-identity order within the scope): the history judges replay. A
+/// baseline chunk stores no effect (ADR 0033), so none of this is served.
+fn journal_baseline(
+    journal: &mut BTreeMap<(ScopeId, StreamPosition), Effect>,
+    manifest: &protocol::manifest::Manifest,
+    m: &Materialization,
+) -> Result<(), StoreError> {
+    let integrity = |what: &str| StoreError::Integrity(format!("baseline chunk: {what}"));
+    let added: BTreeMap<(&str, &RowIdentity), &Projection> = (m.new_projections.iter())
+        .map(|p| ((p.table_id.as_str(), &p.identity), p))
+        .collect();
+    let mut joined: Vec<&Membership> = m.joined.iter().collect();
+    joined.sort_by(|a, b| (&a.scope, &a.identity).cmp(&(&b.scope, &b.identity)));
+    let mut ordinal: BTreeMap<&ScopeId, u64> = BTreeMap::new();
+    for j in joined {
+        let p = (added.get(&(j.table_id.as_str(), &j.identity)))
+            .ok_or_else(|| integrity("a member without its projection"))?;
+        let table = (manifest.table(&p.table_id)).ok_or_else(|| integrity("an unknown table"))?;
+        let key = (p.row.as_object())
+            .and_then(|o| o.get(table.primary_key_field_id()))
+            .ok_or_else(|| integrity("a row without its key"))?;
+        let captured = CapturedRow {
+            row: protocol::json::to_canonical_string(&p.row),
+            version: p.version.clone(),
+            digest: p.digest,
+            schema_version: Some(p.schema_version),
+        };
+        let next = ordinal.entry(&j.scope).or_default();
+        let e = Effect {
+            scope: j.scope.clone(),
+            commit_lsn: m.commit_lsn,
+            event_ordinal: 0,
+            effect_ordinal: *next,
+            table_id: p.table_id.clone(),
+            identity: p.identity.clone(),
+            key: key.clone(),
+            op: if p.tombstone {
+                EffectOp::Tombstone(captured)
+            } else {
+                EffectOp::Upsert(captured)
+            },
+        };
+        *next += 1;
+        journal.insert((e.scope.clone(), e.position()), e);
+    }
+    Ok(())
 }
 
 /// MemStore's change feed: the commit log from the acknowledged point, at
