@@ -159,6 +159,9 @@ struct Watch {
     /// instant; a rebuild is judged by the recorded one (ADR 003: "Rebuild
     /// does not reconcile assignment").
     reconciled_after: Mutex<Option<i64>>,
+    /// Every row put since the last judgement: a row a later page of the
+    /// same sync replaced is judged too.
+    puts: Mutex<Vec<Holding>>,
     trace: Arc<Mutex<SystemTrace>>,
 }
 
@@ -173,6 +176,7 @@ impl Watched {
                 grants,
                 page: Mutex::new(None),
                 reconciled_after: Mutex::new(None),
+                puts: Mutex::new(Vec::new()),
                 trace,
             }),
         }
@@ -200,6 +204,11 @@ impl Watched {
         if endpoint != Endpoint::Connect {
             *self.watch.page.lock().expect("page") = Some((since, now_micros()));
         }
+    }
+
+    /// The rows put since the last call.
+    fn take_puts(&self) -> Vec<Holding> {
+        std::mem::take(&mut *self.watch.puts.lock().expect("puts"))
     }
 
     /// The per-page check, once the page's transition is committed.
@@ -243,7 +252,9 @@ impl LocalStore for Watched {
     fn commit(&mut self, t: Transition) -> Result<(), LocalError> {
         // (A write, a seal or a settle changes the outbox; a page never does.)
         let applies_page = t.outbox.is_empty();
+        let put = t.put.clone();
         self.store().commit(t)?;
+        self.watch.puts.lock().expect("puts").extend(put);
         let answered = self
             .watch
             .page
@@ -795,11 +806,12 @@ fn judge_holdings(run: &Run, trace: &Mutex<SystemTrace>) {
             session.client_id, h.scope
         ));
     }
-    // And every row it holds is one the server sent: its content digests
-    // to the digest it holds (recomputed here, apart from the client).
+    // And every row it holds, or held since the last sync, is one the
+    // server sent: its content digests to the digest it holds (recomputed
+    // here, apart from the client).
+    let puts = run.client.store().take_puts();
     if let Some(m) = run.client.manifest()
-        && let Some(h) = holdings
-            .iter()
+        && let Some(h) = (holdings.iter().chain(&puts))
             .find(|h| !invariants::system::digests_to_itself(m, &held(h)))
     {
         trace.lock().expect("trace").violations.push(format!(

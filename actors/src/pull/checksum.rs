@@ -3,7 +3,9 @@
 //! at or before the boundary): the membership index and its row digests
 //! change only in a materialization, and every change of a scope's members
 //! (a row joining, leaving, changing, deleted) writes an effect in that
-//! scope in the same transaction. So a steady pull of an unchanged scope
+//! scope in the same transaction, except a baseline's, which no digest
+//! is computed before (every scope it feeds answers `503` until it is
+//! read, ADR 0033). So a steady pull of an unchanged scope
 //! reads one index entry, not every row. Debug builds (every test and the
 //! simulator) recompute each cache hit and assert it equal.
 
