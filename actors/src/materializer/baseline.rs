@@ -238,8 +238,15 @@ pub(super) async fn materialize<S: Store>(
             }
             tx.put_rematerializations(&records.finish()).await?;
             tx.complete_baseline(&[]).await?;
+            // Durable before any client reads it: this flush takes every
+            // chunk before it along.
+            tx.commit().await?;
+        } else {
+            // Nothing of a chunk is served before the last one commits, and
+            // a chunk a crash lost is re-read: its commit need not wait for
+            // its flush.
+            tx.commit_lazily().await?;
         }
-        tx.commit().await?;
         index += 1;
         boundary = Boundary::TransactionEnd {
             commit_lsn: chunk.commit_lsn,
