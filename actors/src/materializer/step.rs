@@ -419,6 +419,9 @@ fn materialize(
         fences,
         ..Materialization::default()
     };
+    // Every row's membership is judged against the dependency rows after
+    // the whole transaction: found by their join column's value.
+    let joins = Joins::of(state, model);
     for ((_, identity), mut row) in rows {
         let table = model
             .table(&row.table_id)
@@ -481,7 +484,7 @@ fn materialize(
                 _ => continue,
             }
         }
-        let scopes = membership(state, table, &wire)?;
+        let scopes = membership(&joins, table, &wire)?;
         if !touched && scopes == old_scopes && !stale {
             continue;
         }
@@ -569,9 +572,60 @@ fn row_state<'a>(
     }))
 }
 
+/// The dependency rows of a state, by the value of the column each `via`
+/// rule joins on: a row's joined rows are looked up, not found by
+/// scanning every dependency row of the relation (which, for a baseline
+/// chunk of notes and their shares, was quadratic in the chunk).
+#[derive(Default)]
+struct Joins {
+    /// via relation -> join column -> value -> the rows holding it.
+    rows: BTreeMap<String, BTreeMap<String, BTreeMap<String, Vec<SourceImage>>>>,
+}
+
+impl Joins {
+    fn of(state: &State, model: &Model) -> Joins {
+        let mut joins = Joins::default();
+        let rules = model.tables.values().flat_map(|t| &t.rules);
+        for rule in rules {
+            let Rule::Via { via, key, .. } = rule else {
+                continue;
+            };
+            let by_value = joins
+                .rows
+                .entry(via.clone())
+                .or_default()
+                .entry(key.clone())
+                .or_default();
+            if !by_value.is_empty() {
+                continue; // another table's rule joins the same way
+            }
+            let images = (state.dependencies.range((via.clone(), String::new())..))
+                .take_while(|((r, _), _)| r == via)
+                .filter_map(|(_, image)| image.as_ref());
+            for image in images {
+                if let Some(Some(value)) = image.get(key) {
+                    by_value
+                        .entry(value.clone())
+                        .or_default()
+                        .push(image.clone());
+                }
+            }
+        }
+        joins
+    }
+
+    /// The rows of `via` whose `key` column holds `value`.
+    fn joined(&self, via: &str, key: &str, value: &str) -> &[SourceImage] {
+        (self.rows.get(via))
+            .and_then(|k| k.get(key))
+            .and_then(|v| v.get(value))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
 /// The scopes of a row whose state after the transaction is `row`.
 fn membership(
-    state: &State,
+    joins: &Joins,
     table: &Table,
     row: &Value,
 ) -> Result<BTreeSet<ScopeId>, CaptureProblem> {
@@ -591,16 +645,8 @@ fn membership(
                 let Some(own) = table.render_value(row, &table.primary_key) else {
                     continue;
                 };
-                let rows = state
-                    .dependencies
-                    .range((via.clone(), String::new())..)
-                    .take_while(|((r, _), _)| r == via);
-                for (_, image) in rows {
-                    if let Some(image) = image
-                        && image.get(key) == Some(&Some(own.clone()))
-                    {
-                        add(template.render(|c| image.get(c).cloned().flatten()))?;
-                    }
+                for image in joins.joined(via, key, &own) {
+                    add(template.render(|c| image.get(c).cloned().flatten()))?;
                 }
             }
         }

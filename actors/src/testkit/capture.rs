@@ -834,6 +834,20 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     first
         .effects
         .push(effect(100, EffectOp::Upsert(captured.clone())));
+    // A baseline chunk stores no effects (ADR 0033): one carrying any is refused.
+    let mut tx = store.begin().await.unwrap();
+    let baseline = Materialization {
+        baseline: true,
+        ..first.clone()
+    };
+    assert!(
+        matches!(
+            tx.materialize(&baseline).await,
+            Err(StoreError::Integrity(_))
+        ),
+        "a baseline chunk with an effect"
+    );
+    drop(tx);
     let mut tx = store.begin().await.unwrap();
     tx.materialize(&first).await.unwrap();
     tx.commit().await.unwrap();

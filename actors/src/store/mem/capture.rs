@@ -785,6 +785,11 @@ impl MemTx {
     }
 
     pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
+        if m.baseline && !m.effects.is_empty() {
+            return Err(StoreError::Integrity(
+                "a baseline chunk carries effects".into(),
+            ));
+        }
         self.same_generation(m.stream_generation)?;
         let c = &mut self.work.capture;
         if let Boundary::TransactionEnd { commit_lsn } = c.progress.boundary
@@ -841,11 +846,6 @@ impl MemTx {
             }
         }
         if m.baseline {
-            if !m.effects.is_empty() {
-                return Err(StoreError::Integrity(
-                    "a baseline chunk carries effects".into(),
-                ));
-            }
             let manifest = (self.work.manifests.last())
                 .ok_or_else(|| StoreError::Integrity("a baseline without a manifest".into()))?;
             journal_baseline(&mut c.journal, manifest, m)?;
