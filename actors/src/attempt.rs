@@ -217,3 +217,43 @@ pub fn gates(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use protocol::position::Boundary;
+
+    use super::*;
+
+    fn progress(baseline_owed: bool) -> CaptureProgress {
+        CaptureProgress {
+            boundary: Boundary::GenerationStart,
+            end_lsn: 0,
+            quarantine: None,
+            baseline_owed,
+            rematerializing: Default::default(),
+            newest_schema_version: 1,
+        }
+    }
+
+    /// A baseline still owed blocks every pull and rebuild: its rows carry
+    /// no effects, so a cursor issued before it ends would never receive
+    /// the rows its later chunks commit (ADR 0033).
+    #[test]
+    fn a_baseline_owed_blocks() {
+        let blocked = match capture_gates(&progress(true), &[]) {
+            Err(Failure::Protocol(e)) => e,
+            _ => panic!("a baseline owed let a request through"),
+        };
+        assert_eq!(
+            blocked.kind(),
+            &ErrorKind::TemporaryUnavailable {
+                reason: Some(UnavailableReason::CaptureBlocked)
+            }
+        );
+        assert!(capture_gates(&progress(false), &[]).is_ok());
+        assert!(matches!(
+            capture_gates(&progress(false), &[7]),
+            Err(Failure::Pending(p)) if p == [7]
+        ));
+    }
+}
