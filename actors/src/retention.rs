@@ -129,8 +129,9 @@ pub fn spawn<S: Store>(
         let mut guard: Option<Guard> = None;
         loop {
             tokio::select! {
-                _ = tokio::time::sleep(config.interval()) => {}
+                biased;
                 _ = stop.changed() => return,
+                _ = tokio::time::sleep(config.interval()) => {}
             }
             if !matches!(*status.borrow_and_update(), CaptureStatus::Running { .. }) {
                 guard = None;

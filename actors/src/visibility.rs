@@ -102,8 +102,9 @@ impl CaptureReports {
         tokio::spawn(async move {
             loop {
                 let opened = tokio::select! {
-                    l = store.fence_listener() => l,
+                    biased;
                     _ = stop.changed() => return,
+                    l = store.fence_listener() => l,
                 };
                 match opened {
                     Ok(mut listener) => {
@@ -112,8 +113,9 @@ impl CaptureReports {
                         reports.missed();
                         loop {
                             let heard = tokio::select! {
-                                r = listener.next() => r,
+                                biased;
                                 _ = stop.changed() => return,
+                                r = listener.next() => r,
                             };
                             match heard {
                                 Ok(FenceReport::Satisfied(fences)) => reports.satisfied(&fences),
@@ -130,8 +132,9 @@ impl CaptureReports {
                     }
                 }
                 tokio::select! {
-                    _ = tokio::time::sleep(RELISTEN) => {}
+                    biased;
                     _ = stop.changed() => return,
+                    _ = tokio::time::sleep(RELISTEN) => {}
                 }
             }
         });

@@ -148,6 +148,7 @@ pub(crate) fn crash_server(
             // `Some(None)`: a random crash; `Some(Some(p))`: a tripwire at
             // `p`; `None`: the tripwire was disarmed.
             let cause = tokio::select! {
+                biased;
                 _ = sleep_until(next), if left > 0 => {
                     left -= 1;
                     next = pause(&between);
@@ -326,6 +327,7 @@ async fn client_main(
             tokio::pin!(deadline);
             let answer = loop {
                 tokio::select! {
+                    biased;
                     _ = &mut deadline => break None,
                     got = ep.recv_from(RESPONSE, &mut buf) => {
                         let Ok((n, _)) = got else { continue };

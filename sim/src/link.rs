@@ -64,6 +64,7 @@ impl Link {
             tokio::pin!(deadline);
             loop {
                 tokio::select! {
+                    biased;
                     _ = &mut deadline => break,
                     got = self.ep.recv_from(RESPONSE, &mut self.buf) => {
                         let Ok((n, _)) = got else { continue };
@@ -136,6 +137,7 @@ impl client::Transport for ClientLink {
         tokio::pin!(deadline);
         loop {
             tokio::select! {
+                biased;
                 _ = &mut deadline => {
                     return Err(client::TransportError("no answer in time".into()));
                 }

@@ -344,6 +344,7 @@ impl Transport for SimTransport {
         tokio::pin!(deadline);
         loop {
             tokio::select! {
+                biased;
                 _ = &mut deadline => {
                     self.trace.lock().expect("trace").lost += 1;
                     return Err(TransportError("no answer in time".into()));
