@@ -10,6 +10,7 @@ pub mod capture;
 pub mod config;
 pub mod cursor;
 pub mod engine;
+pub mod error;
 pub mod key_ring;
 pub mod ledger;
 pub mod materializer;

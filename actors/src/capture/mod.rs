@@ -17,7 +17,7 @@ use protocol::position::{Boundary, StreamPosition};
 use protocol::value::FieldType;
 
 use crate::config::{MembershipRule, SyncConfig};
-use crate::store::StoreError;
+use crate::error::StoreError;
 
 /// A WAL position (PostgreSQL LSN, or MemStore's log position).
 pub type Lsn = u64;

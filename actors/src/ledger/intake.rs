@@ -6,7 +6,7 @@
 //! refuses it before the write. Both stores apply this one model; PostgreSQL's own errors remain
 //! the backstop for whatever it does not know.
 
-use crate::store::StoreError;
+use crate::error::StoreError;
 
 /// Whether a column declared as `column_type` (PostgreSQL's `format_type`
 /// with its modifier, e.g. `character(4)`) stores `text`, a value's

@@ -5,10 +5,10 @@
 mod mem;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+pub use crate::error::StoreError;
 pub use mem::{MemFeed, MemFenceListener, MemStore, MemTx, SourceError};
 use protocol::digest::{Digest, RowIdentity};
 use protocol::ids::{CanonicalUuid, ScopeId};
@@ -25,32 +25,7 @@ use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
-use crate::stream::{Checkpoint, MembershipRules, StreamState};
-
-/// A store operation failed. Every kind rolls the transaction back.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StoreError {
-    /// An operational failure a retry can cure (connection lost, serialization
-    /// failure, resources exhausted, shutdown): retryable 503.
-    Unavailable(String),
-    /// The request carried a value the database cannot hold (invalid text, a
-    /// number out of range, a non-canonical spelling): terminal, never retried.
-    Data(String),
-    /// Durable state violates an invariant: 500 `sync_integrity_failure`.
-    Integrity(String),
-}
-
-impl fmt::Display for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
-            StoreError::Data(m) => write!(f, "store refused a request value: {m}"),
-            StoreError::Integrity(m) => write!(f, "store integrity: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for StoreError {}
+use crate::stream::state::{Checkpoint, MembershipRules, StreamState};
 
 /// What a pull or a rebuild reads first, in its snapshot: one round trip
 /// on PostgreSQL, where each round trip can wait for a core while capture

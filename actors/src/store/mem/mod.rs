@@ -27,7 +27,7 @@ use crate::ledger::contract::{
     FoundRow, LedgerEntries, PushRecord, Refusal, RowWrite, WriteResult, WriteTarget, Writer,
 };
 use crate::staging::{RebuildSession, RebuildUsage, StagedRow};
-use crate::stream::{Checkpoint, MembershipRules, StreamState};
+use crate::stream::state::{Checkpoint, MembershipRules, StreamState};
 pub use capture::{MemFeed, SourceError};
 pub use rebuild::LiveSession;
 
@@ -696,10 +696,10 @@ impl StoreTx for MemTx {
 
     async fn reset_stream(&mut self) -> Result<u64, StoreError> {
         let w = &mut self.work;
-        w.stream = crate::stream::StreamState {
+        w.stream = StreamState {
             generation: w.stream.generation + 1,
             retention_generation: w.stream.retention_generation + 1,
-            ..crate::stream::StreamState::default()
+            ..StreamState::default()
         };
         w.checkpoints.clear();
         w.rebuilds.sweep_all();
