@@ -143,6 +143,35 @@ pub(crate) fn effect(r: &PgRow) -> Result<Effect, StoreError> {
     })
 }
 
+/// Asserts what a read of `scope`'s effects in (`after`, `through`] returned:
+/// only that scope's, inside the window, in strictly increasing positions,
+/// and at most `max` of them. SQL's `ORDER BY` and `LIMIT` promise it; a
+/// cursor built on a page that broke it would skip or repeat a change.
+pub(crate) fn assert_effect_window(
+    effects: &[Effect],
+    scope: &ScopeId,
+    after: StreamPosition,
+    through: Boundary,
+    max: Option<usize>,
+) {
+    let through = StreamPosition::from(through);
+    assert!(
+        max.is_none_or(|m| effects.len() <= m),
+        "a page never exceeds its limit"
+    );
+    let mut last = after;
+    for e in effects {
+        assert!(&e.scope == scope, "an effect read for its own scope");
+        let at = e.position();
+        assert!(
+            at > last,
+            "effect positions strictly increase past the cursor"
+        );
+        assert!(at <= through, "an effect read never passes the boundary");
+        last = at;
+    }
+}
+
 /// (commit_lsn, event_ordinal, effect_ordinal) bounds of a position: a
 /// transaction end sorts after every effect of its LSN.
 pub(crate) fn bounds(p: StreamPosition) -> Result<(i64, i64, i64), StoreError> {
@@ -576,6 +605,25 @@ impl PgTx {
         if m.baseline && !m.effects.is_empty() {
             return Err(integrity("a baseline chunk carries effects"));
         }
+        // What the materializer must hand over, refused before any write.
+        if !m
+            .transactions
+            .windows(2)
+            .all(|w| w[0].commit_lsn < w[1].commit_lsn)
+        {
+            return Err(integrity("a group's transactions out of commit order"));
+        }
+        if m.transactions
+            .last()
+            .is_some_and(|t| t.commit_lsn != m.commit_lsn)
+        {
+            return Err(integrity(
+                "a group's progress is not its last transaction's",
+            ));
+        }
+        if !m.effects.iter().all(|e| e.commit_lsn <= m.commit_lsn) {
+            return Err(integrity("an effect past its group's progress"));
+        }
         self.same_generation(m.stream_generation).await?;
         let tx = &mut *self.tx;
         let advanced = sqlx::query(
@@ -882,7 +930,8 @@ impl PgTx {
         .map_err(db_error)?
         .iter()
         .map(effect)
-        .collect()
+        .collect::<Result<Vec<_>, _>>()
+        .inspect(|read| assert_effect_window(read, scope, after, through, None))
     }
 }
 

@@ -287,7 +287,14 @@ impl PgTx {
                 digest: digest(r.try_get(5).map_err(get)?)?,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, StoreError>>()
+        .inspect(|rows| {
+            assert!(rows.len() <= max, "a rebuild page never exceeds its limit");
+            assert!(
+                rows.iter().zip(from..).all(|(r, want)| r.ordinal == want),
+                "a rebuild page is the staged rows from its ordinal on, none skipped"
+            );
+        })
     }
 
     pub(crate) async fn write_supersede(

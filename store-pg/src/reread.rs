@@ -77,6 +77,10 @@ pub(crate) async fn read_chunk(
         query = query.bind(cursor);
     }
     let rows = query.fetch_all(&mut *tx).await.map_err(db_error)?;
+    assert!(
+        rows.len() <= req.limit,
+        "a re-read chunk never exceeds its limit"
+    );
     let mut chunk = RereadChunk {
         estimated_rows: estimated_rows(&mut tx, &req.relation).await?,
         ..RereadChunk::default()
@@ -109,6 +113,10 @@ pub(crate) async fn read_chunk(
                 client: false,
             });
         }
+        assert!(
+            chunk.events.last().is_none_or(|e| e.identity != identity),
+            "a re-read chunk holds each row once"
+        );
         chunk.events.push(SourceEvent {
             relation: req.relation.clone(),
             kind: ChangeKind::Update,

@@ -14,7 +14,7 @@ use protocol::token::{KeyState, TokenKey, TokenKind};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::materialized::{EFFECT_COLUMNS, bounds, effect};
+use crate::materialized::{EFFECT_COLUMNS, assert_effect_window, bounds, effect};
 use crate::sql::{to_i64, to_u64};
 use crate::{PgTx, db_error};
 
@@ -352,7 +352,8 @@ impl PgTx {
         .map_err(db_error)?
         .iter()
         .map(effect)
-        .collect()
+        .collect::<Result<Vec<_>, _>>()
+        .inspect(|read| assert_effect_window(read, scope, after, through, Some(max)))
     }
 
     pub(crate) async fn read_last_effect_before(
@@ -389,14 +390,20 @@ impl PgTx {
         .await
         .map_err(db_error)?;
         assert_eq!(rows.len(), scopes.len(), "one answer per scope");
-        rows.iter()
+        let last: Vec<Option<StreamPosition>> = rows
+            .iter()
             .map(
                 |r| match r.try_get::<Option<i64>, _>(0).map_err(db_error)? {
                     None => Ok(None),
                     Some(_) => row_position(r).map(Some),
                 },
             )
-            .collect()
+            .collect::<Result<_, StoreError>>()?;
+        assert!(
+            last.iter().flatten().all(|p| *p < before),
+            "a scope's last effect before a position is before it"
+        );
+        Ok(last)
     }
 }
 

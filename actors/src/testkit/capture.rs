@@ -963,6 +963,12 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         .push(effect(200, EffectOp::Remove(removed.clone())));
     let mut tx_twice = at(200);
     tx_twice.transactions.push(tx_twice.transactions[0]);
+    let mut past_progress = at(200);
+    past_progress
+        .effects
+        .push(effect(300, EffectOp::Remove(removed.clone())));
+    let mut progress_elsewhere = at(200);
+    progress_elsewhere.commit_lsn = 250;
     let mut joined_twice = at(200);
     joined_twice.joined.push(member.clone());
     let mut left_absent = at(200);
@@ -979,6 +985,11 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         ("replacing an absent projection", replaced_absent),
         ("two effects at one position", same_position),
         ("one source transaction twice", tx_twice),
+        ("an effect past the group's progress", past_progress),
+        (
+            "progress other than the last transaction's",
+            progress_elsewhere,
+        ),
     ] {
         let mut tx = store.begin().await.unwrap();
         let r = tx.materialize(&m).await;
