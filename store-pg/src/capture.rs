@@ -482,6 +482,8 @@ pub struct PgFeed {
     idle_end: Option<Lsn>,
     /// The highest position acknowledged: the slot never moves back.
     acknowledged: Lsn,
+    /// The last commit this feed handed over: the stream's order.
+    last_commit: Lsn,
     plan_relations: BTreeSet<String>,
     registered: BTreeMap<String, String>,
     /// Each registered relation's synced columns.
@@ -577,6 +579,7 @@ pub(crate) async fn open(store: &PgStore) -> Result<Option<PgFeed>, StoreError> 
         server_wal_end: 0,
         idle_end: None,
         acknowledged: 0,
+        last_commit: 0,
         plan_relations: plan.relations().map(str::to_owned).collect(),
         registered: plan
             .tables
@@ -855,6 +858,11 @@ impl ChangeFeed for PgFeed {
                 }
                 ReplicationEvent::Commit { lsn, end_lsn, .. } => {
                     if let Some(mut t) = open.take() {
+                        assert!(
+                            u64::from(lsn) > self.last_commit,
+                            "the stream hands transactions in commit order"
+                        );
+                        self.last_commit = u64::from(lsn);
                         t.commit_lsn = u64::from(lsn);
                         t.end_lsn = u64::from(end_lsn);
                         return Ok(Some(t));

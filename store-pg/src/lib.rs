@@ -973,7 +973,7 @@ pub struct PgWorld {
 
 #[cfg(feature = "testkit")]
 fn literal(v: Option<&str>) -> String {
-    v.map_or("NULL".into(), |s| format!("'{}'", s.replace('\'', "''")))
+    v.map_or("NULL".into(), sql::literal)
 }
 
 #[cfg(feature = "testkit")]

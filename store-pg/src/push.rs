@@ -356,13 +356,16 @@ impl PgTx {
                         r.try_get::<Option<String>, _>(i + 2).map_err(db_error)?,
                     );
                 }
-                visible.insert(key, image);
+                assert!(visible.insert(key, image).is_none(), "a row locked once");
             } else {
                 let version = VersionRecord {
                     version: r.try_get(width + 2).map_err(db_error)?,
                     deleted: r.try_get(width + 3).map_err(db_error)?,
                 };
-                versions.insert(key, version);
+                assert!(
+                    versions.insert(key, version).is_none(),
+                    "a key's version read once"
+                );
             }
         }
         Ok(keys
@@ -656,7 +659,8 @@ impl PgTx {
                     r.try_get::<Option<String>, _>(i + 3).map_err(db_error)?,
                 );
             }
-            by_key.insert(key, (version, exists.then_some(image)));
+            let first = by_key.insert(key, (version, exists.then_some(image)));
+            assert!(first.is_none(), "a written row read back once");
         }
         let mut results = Vec::with_capacity(writes.len());
         for ((_, w), key) in writes.iter().zip(keys) {
