@@ -602,28 +602,7 @@ impl PgTx {
         &mut self,
         m: &Materialization,
     ) -> Result<(), StoreError> {
-        if m.baseline && !m.effects.is_empty() {
-            return Err(integrity("a baseline chunk carries effects"));
-        }
-        // What the materializer must hand over, refused before any write.
-        if !m
-            .transactions
-            .windows(2)
-            .all(|w| w[0].commit_lsn < w[1].commit_lsn)
-        {
-            return Err(integrity("a group's transactions out of commit order"));
-        }
-        if m.transactions
-            .last()
-            .is_some_and(|t| t.commit_lsn != m.commit_lsn)
-        {
-            return Err(integrity(
-                "a group's progress is not its last transaction's",
-            ));
-        }
-        if !m.effects.iter().all(|e| e.commit_lsn <= m.commit_lsn) {
-            return Err(integrity("an effect past its group's progress"));
-        }
+        m.check_whole()?;
         self.same_generation(m.stream_generation).await?;
         let tx = &mut *self.tx;
         let advanced = sqlx::query(

@@ -612,6 +612,37 @@ pub struct Materialization {
     pub baseline: bool,
 }
 
+impl Materialization {
+    /// Whether its parts agree: transactions in strictly increasing commit
+    /// order, progress at the last one's commit, no effect past it, and a
+    /// baseline chunk without effects. Both stores refuse anything else
+    /// before any write.
+    pub fn check_whole(&self) -> Result<(), StoreError> {
+        let refuse = |what: &str| Err(StoreError::Integrity(what.into()));
+        if self.baseline && !self.effects.is_empty() {
+            return refuse("a baseline chunk carries effects");
+        }
+        if !self
+            .transactions
+            .windows(2)
+            .all(|w| w[0].commit_lsn < w[1].commit_lsn)
+        {
+            return refuse("a group's transactions out of commit order");
+        }
+        if self
+            .transactions
+            .last()
+            .is_some_and(|t| t.commit_lsn != self.commit_lsn)
+        {
+            return refuse("a group's progress is not its last transaction's");
+        }
+        if !self.effects.iter().all(|e| e.commit_lsn <= self.commit_lsn) {
+            return refuse("an effect past its group's progress");
+        }
+        Ok(())
+    }
+}
+
 /// One row in one scope: an entry of the membership index.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Membership {

@@ -785,29 +785,7 @@ impl MemTx {
     }
 
     pub(super) fn materialize(&mut self, m: &Materialization) -> Result<(), StoreError> {
-        if m.baseline && !m.effects.is_empty() {
-            return Err(StoreError::Integrity(
-                "a baseline chunk carries effects".into(),
-            ));
-        }
-        // What the materializer must hand over, refused before any write.
-        let integrity = |what: &str| Err(StoreError::Integrity(what.into()));
-        if !m
-            .transactions
-            .windows(2)
-            .all(|w| w[0].commit_lsn < w[1].commit_lsn)
-        {
-            return integrity("a group's transactions out of commit order");
-        }
-        if m.transactions
-            .last()
-            .is_some_and(|t| t.commit_lsn != m.commit_lsn)
-        {
-            return integrity("a group's progress is not its last transaction's");
-        }
-        if !m.effects.iter().all(|e| e.commit_lsn <= m.commit_lsn) {
-            return integrity("an effect past its group's progress");
-        }
+        m.check_whole()?;
         self.same_generation(m.stream_generation)?;
         let c = &mut self.work.capture;
         if let Boundary::TransactionEnd { commit_lsn } = c.progress.boundary
