@@ -720,10 +720,10 @@ impl PgTx {
             .map_err(db_error)?;
         }
         if !m.effects.is_empty() {
-            // Only each row's last effect in a scope is ever served, so the
-            // ones it supersedes are deleted, stored ones by this statement
-            // (which does not see its own inserts) and earlier ones of this
-            // group by not inserting them (docs/adr/0024).
+            // Only each row's last effect in a scope is ever served, so it
+            // replaces the one it supersedes: a stored one by the conflict on
+            // the row's unique index (ADR 0034), an earlier one of this group
+            // by not being inserted (docs/adr/0024).
             let mut last: HashMap<(&str, &str, &[u8]), &Effect> = HashMap::new();
             for e in &m.effects {
                 let key = (e.scope.as_str(), e.table_id.as_str(), e.identity.as_bytes());
@@ -750,14 +750,21 @@ impl PgTx {
                     ))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            sqlx::query(
-                "WITH superseded AS (DELETE FROM synchro.scope_effects e \
-                 USING UNNEST($1::text[], $5::text[], $6::bytea[]) AS u(s, t, i) \
-                 WHERE e.scope_id = u.s AND e.table_id = u.t AND e.identity = u.i) \
-                 INSERT INTO synchro.scope_effects (scope_id, commit_lsn, event_ordinal, effect_ordinal, \
-                 table_id, identity, key_json, op, row_json, version, digest, schema_version) \
+            // The replaced effect must be earlier: a later one stored means
+            // this group was materialized before, and the row is not counted.
+            let written = sqlx::query(
+                "INSERT INTO synchro.scope_effects AS e (scope_id, commit_lsn, event_ordinal, \
+                 effect_ordinal, table_id, identity, key_json, op, row_json, version, digest, \
+                 schema_version) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
-                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[])",
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[]) \
+                 ON CONFLICT (scope_id, table_id, identity) DO UPDATE SET \
+                 commit_lsn = EXCLUDED.commit_lsn, event_ordinal = EXCLUDED.event_ordinal, \
+                 effect_ordinal = EXCLUDED.effect_ordinal, key_json = EXCLUDED.key_json, \
+                 op = EXCLUDED.op, row_json = EXCLUDED.row_json, version = EXCLUDED.version, \
+                 digest = EXCLUDED.digest, schema_version = EXCLUDED.schema_version \
+                 WHERE (e.commit_lsn, e.event_ordinal, e.effect_ordinal) \
+                 < (EXCLUDED.commit_lsn, EXCLUDED.event_ordinal, EXCLUDED.effect_ordinal)",
             )
             .bind(e.iter().map(|e| e.scope.as_str()).collect::<Vec<_>>())
             .bind(positions.iter().map(|p| p.0).collect::<Vec<_>>())
@@ -785,6 +792,9 @@ impl PgTx {
             .execute(&mut *tx)
             .await
             .map_err(unique_is_integrity("two effects at one position"))?;
+            if written.rows_affected() != e.len() as u64 {
+                return Err(integrity("an effect replaced a later one of its row"));
+            }
         }
         write_rematerializations(tx, &m.rematerialized).await?;
         satisfy_fences(tx, &m.fences).await

@@ -331,8 +331,8 @@ impl PgTx {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
         // A range of the primary key: the table holds only each row's last
-        // effect in a scope (the materializer deletes what it supersedes,
-        // in the same transaction), and nothing past `through`.
+        // effect in a scope (a unique index; the materializer replaces what
+        // it supersedes, ADR 0034), and nothing past `through`.
         sqlx::query(&format!(
             "SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 \
              AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \

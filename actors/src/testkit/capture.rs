@@ -967,6 +967,12 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     past_progress
         .effects
         .push(effect(300, EffectOp::Remove(removed.clone())));
+    // Progress advances, but the row's effect in the scope is earlier
+    // than the one stored at 100: it cannot replace a later one.
+    let mut earlier_effect = at(200);
+    earlier_effect
+        .effects
+        .push(effect(50, EffectOp::Remove(removed.clone())));
     let mut progress_elsewhere = at(200);
     progress_elsewhere.commit_lsn = 250;
     let mut joined_twice = at(200);
@@ -986,6 +992,10 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
         ("two effects at one position", same_position),
         ("one source transaction twice", tx_twice),
         ("an effect past the group's progress", past_progress),
+        (
+            "an effect earlier than its row's stored one",
+            earlier_effect,
+        ),
         (
             "progress other than the last transaction's",
             progress_elsewhere,

@@ -856,7 +856,11 @@ impl MemTx {
             c.journal.insert((e.scope.clone(), e.position()), e.clone());
             let row = (e.scope.clone(), e.table_id.clone(), e.identity.clone());
             if let Some(p) = c.latest_effect.insert(row, e.position()) {
-                assert!(p < e.position(), "a row's effects strictly increase");
+                if p >= e.position() {
+                    return Err(StoreError::Integrity(
+                        "an effect replaced a later one of its row".into(),
+                    ));
+                }
                 c.effects.remove(&(e.scope.clone(), p));
             }
         }
