@@ -750,8 +750,9 @@ impl PgTx {
                     ))
                 })
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            // The replaced effect must be earlier: a later one stored means
-            // this group was materialized before, and the row is not counted.
+            // The replaced effect must be earlier. A later one stored means
+            // the materialization is out of order: the update skips the row,
+            // and the count below refuses the whole.
             let written = sqlx::query(
                 "INSERT INTO synchro.scope_effects AS e (scope_id, commit_lsn, event_ordinal, \
                  effect_ordinal, table_id, identity, key_json, op, row_json, version, digest, \
