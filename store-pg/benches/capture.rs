@@ -17,7 +17,7 @@ use actors::store::Store;
 use actors::testkit::example_config;
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
 use sqlx::PgPool;
-use store_pg::capture::PUBLICATION;
+use store_pg::capture::{FeedTarget, PUBLICATION};
 use store_pg::cluster::PgCluster;
 use store_pg::example_store;
 use store_pg::pgoutput::{Message, decode};
@@ -85,7 +85,8 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
         .install_capture(&CapturePlan::new(&config))
         .await
         .unwrap();
-    for slot in [format!("synchro_{db}"), format!("{db}_raw")] {
+    let stream_slot = FeedTarget::new(&cluster.connect_options(db), None).slot();
+    for slot in [stream_slot, format!("{db}_raw")] {
         sqlx::query(&format!(
             "SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"
         ))
