@@ -564,8 +564,8 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     let (tripwire, trips) = Tripwire::arm(aimed);
     let tripwire = Arc::new(tripwire);
     // Re-read chunks of a few rows, or (over hundreds of existing rows) of
-    // many; at full speed, where the next chunk is read while one
-    // materializes (ADR 0035), or paced to half of the time (ADR 0027).
+    // many; at full speed (the default), or paced to half of the time
+    // (ADR 0027).
     let bulk = scenario.existing_notes > 0;
     let full_speed = bulk || thread_rng().gen_bool(0.5);
     let sized = move |mut config: SyncConfig| {

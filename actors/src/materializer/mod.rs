@@ -490,29 +490,20 @@ async fn lead<S: Store>(
         let mut attempts = 1;
         let (outcome, lag) = loop {
             let source_end = feed.source_end();
-            let given = Group {
-                transactions: &group,
-                reread: reread.as_ref(),
-            };
-            let committed = commit_group(
+            let failure = match commit_group(
                 store,
                 model,
-                &given,
+                &Group {
+                    transactions: &group,
+                    reread: reread.as_ref(),
+                },
                 generation,
                 durable_end,
                 drained,
                 source_end,
-            );
-            let committed = if attempts == 1 && reread.is_some() {
-                // At full speed the next chunk is read meanwhile (ADR 0035).
-                let (ahead, committed) =
-                    tokio::join!(rereading.request(store, &mut feed, model), committed);
-                ahead?;
-                committed
-            } else {
-                committed.await
-            };
-            let failure = match committed {
+            )
+            .await
+            {
                 Ok(done) => break done,
                 Err(e) => e,
             };
@@ -551,10 +542,6 @@ async fn lead<S: Store>(
             for record in &m.rematerialized {
                 rereading.committed(record);
             }
-            assert!(
-                outcome.problem.is_some() || !rereading.awaits_commit(),
-                "a chunk given to a group commits with it"
-            );
             blocked = None;
             if drained {
                 caught_up = Instant::now();

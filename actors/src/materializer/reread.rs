@@ -9,10 +9,6 @@
 //! commits with the chunk's materialization, so a crash resumes at the
 //! next chunk; a watermark of a chunk read before the crash finds no chunk
 //! in flight and materializes as the empty transaction it is.
-//!
-//! At full speed the next chunk is read while this one materializes
-//! (ADR 0035): its watermark then comes before this chunk's writes in the
-//! WAL, so the feed delivers it without decoding them first.
 
 use std::collections::VecDeque;
 
@@ -20,20 +16,16 @@ use tokio::time::{Duration, Instant};
 
 use super::model::Model;
 use crate::capture::{
-    ChangeFeed, Lsn, Rematerialization, RereadChunk, RereadRequest, SourceImage, SourceTransaction,
+    ChangeFeed, Lsn, Rematerialization, RereadChunk, RereadRequest, SourceTransaction,
 };
 use crate::store::{Store, StoreError};
 
-/// The re-reading one leader owes, and its chunks: one given to a group
-/// and not yet committed, and one read whose watermark has not arrived.
+/// The re-reading one leader owes, and the chunk it has in flight.
 pub(super) struct Rereading {
     /// Pending records in order: dependency relations first (a table's
     /// membership reads them), then registered tables.
     owed: VecDeque<Rematerialization>,
-    /// Read; its watermark's transaction not yet in a group.
     in_flight: Option<InFlight>,
-    /// Given to a group whose materialization has not committed.
-    filled: Option<InFlight>,
     /// Rows per chunk.
     chunk_rows: usize,
     /// When the next chunk may be read (ADR 0027).
@@ -55,24 +47,8 @@ fn time_left(rows: u64, estimated: Option<u64>, per_second: f64) -> Option<u64> 
 struct InFlight {
     watermark: String,
     chunk: RereadChunk,
-    /// The identity it was read after (`None`: the relation's start).
-    after: Option<SourceImage>,
     /// When its reading began.
     began: Instant,
-}
-
-impl InFlight {
-    /// Whether the relation may hold rows after this chunk: it was full.
-    fn full(&self, chunk_rows: usize) -> bool {
-        self.chunk.events.len() == chunk_rows
-    }
-
-    /// The identity a chunk after this one is read from.
-    fn end(&self) -> Option<SourceImage> {
-        (self.chunk.events.last())
-            .map(|e| e.identity.clone())
-            .or_else(|| self.after.clone())
-    }
 }
 
 /// Paces re-reading to a share of wall time (ADR 0027): after a chunk
@@ -137,7 +113,6 @@ impl Rereading {
         Rereading {
             owed,
             in_flight: None,
-            filled: None,
             chunk_rows,
             pace: Pace::new(share),
             reported: (Instant::now(), resumed_at),
@@ -147,15 +122,10 @@ impl Rereading {
     /// How long the loop may wait before the next chunk is due: `None`
     /// when no chunk is due (nothing owed, or one in flight).
     pub fn pause_left(&self) -> Option<Duration> {
-        if self.owed.is_empty() || self.in_flight.is_some() || self.filled.is_some() {
+        if self.owed.is_empty() || self.in_flight.is_some() {
             return None;
         }
         Some(self.pace.left(Instant::now()).unwrap_or(Duration::ZERO))
-    }
-
-    /// Whether a chunk was given to a group whose materialization has not committed.
-    pub fn awaits_commit(&self) -> bool {
-        self.filled.is_some()
     }
 
     /// Relations still owed.
@@ -163,11 +133,7 @@ impl Rereading {
         self.owed.len()
     }
 
-    /// Reads the next chunk through `feed`, unless one is in flight or
-    /// nothing is owed. While a chunk is given to a group and not yet
-    /// committed, the next one is read only at full speed, after the
-    /// given one, and only if the given one was full (else its relation
-    /// may end with it).
+    /// Reads the next chunk through `feed`, unless one is in flight or nothing is owed.
     pub async fn request<S: Store, F: ChangeFeed>(
         &mut self,
         store: &S,
@@ -180,11 +146,6 @@ impl Rereading {
         if self.in_flight.is_some() || self.pace.left(Instant::now()).is_some() {
             return Ok(());
         }
-        let after = match &self.filled {
-            None => record.after.clone(),
-            Some(f) if self.pace.share == 100 && f.full(self.chunk_rows) => f.end(),
-            Some(_) => return Ok(()),
-        };
         let began = Instant::now();
         let nonce = store.fresh_secret().await?;
         let watermark: String = nonce[..12].iter().map(|b| format!("{b:02x}")).collect();
@@ -195,7 +156,7 @@ impl Rereading {
         let req = RereadRequest {
             relation: record.relation.clone(),
             registered,
-            after: after.clone(),
+            after: record.after.clone(),
             limit: self.chunk_rows,
             watermark: watermark.clone(),
         };
@@ -207,7 +168,6 @@ impl Rereading {
         self.in_flight = Some(InFlight {
             watermark,
             chunk,
-            after,
             began,
         });
         Ok(())
@@ -216,11 +176,6 @@ impl Rereading {
     /// Gives the in-flight chunk to the group's transaction that carries its
     /// watermark. Its commit LSN and the record it moves the relation to.
     pub fn fill(&mut self, group: &mut [SourceTransaction]) -> Option<(Lsn, Rematerialization)> {
-        // A chunk read ahead waits for the one before it to commit: the
-        // watermark's group comes later, or a crash reopened the feed.
-        if self.filled.is_some() {
-            return None;
-        }
         let flight = self.in_flight.as_ref()?;
         let record = self.owed.front()?;
         let t = group
@@ -229,10 +184,6 @@ impl Rereading {
         assert!(
             t.events.is_empty() && t.notes.is_empty(),
             "a watermark's transaction writes nothing else"
-        );
-        assert!(
-            flight.after == record.after,
-            "a chunk follows the last one committed"
         );
         t.events = flight.chunk.events.clone();
         t.notes = flight.chunk.notes.clone();
@@ -250,13 +201,12 @@ impl Rereading {
                 .or_else(|| record.after.clone()),
             rows: record.rows + read as u64,
         };
-        self.filled = self.in_flight.take();
         Some((t.commit_lsn, next))
     }
 
     /// The filled chunk's materialization committed with `record`.
     pub fn committed(&mut self, record: &Rematerialization) {
-        let estimated_rows = self.filled.as_ref().and_then(|f| f.chunk.estimated_rows);
+        let estimated_rows = self.in_flight.as_ref().and_then(|f| f.chunk.estimated_rows);
         assert!(
             self.owed
                 .front()
@@ -266,7 +216,7 @@ impl Rereading {
         if let Some(owed) = self.owed.front_mut() {
             *owed = record.clone();
         }
-        if let Some(flight) = self.filled.take() {
+        if let Some(flight) = self.in_flight.take() {
             self.pace.chunk_done(flight.began, Instant::now());
         }
         let (at, rows_then) = self.reported;

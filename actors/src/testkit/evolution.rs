@@ -44,13 +44,12 @@ pub fn config_before() -> SyncConfig {
 }
 
 /// The example config after: `body` synced, templates registered, notes
-/// shared into `group:` scopes; rematerialized in chunks of two rows at
-/// full speed, where the next chunk is read while one materializes
-/// (ADR 0035).
+/// shared into `group:` scopes; rematerialized in chunks of two rows,
+/// paced to half of the time (ADR 0027).
 pub fn config_after() -> SyncConfig {
     let mut config = fast_config(|s| s.replace("team:{team_id}", "group:{team_id}"));
     config.capture.rematerialize_chunk_rows = 2;
-    config.capture.rematerialize_share = 100;
+    config.capture.rematerialize_share = 50;
     config
 }
 
