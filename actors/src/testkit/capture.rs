@@ -877,6 +877,9 @@ pub async fn capture_store_suite<S: Store>(store: &S) {
     // Digests under another manifest are found, by scope.
     assert!(!tx.has_stale_projections(1).await.unwrap());
     assert!(tx.has_stale_projections(2).await.unwrap());
+    // A digest under a newer manifest than the asked one is stale too
+    // (a process started with an older config).
+    assert!(tx.has_stale_projections(0).await.unwrap());
     assert_eq!(
         tx.stale_scope_members(&scope, 2).await.unwrap(),
         [projection("v1", &["templates_public"])]
