@@ -830,6 +830,7 @@ async fn client_main(
     mutant: Option<Mutant>,
     trace: Arc<Mutex<PullTrace>>,
     server: &'static str,
+    planted: bool,
 ) -> Client {
     let mut link = Link::bind_to((index as u64) << 40, server).await;
     let client_id = format!("pull-client-{index}");
@@ -873,6 +874,9 @@ async fn client_main(
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
     for p in 0..pulls {
+        if planted && caught(&trace) {
+            break;
+        }
         // (A bug's client writes a row of its own, so it has a change and
         // a record to lose.)
         let seeded =
@@ -917,6 +921,12 @@ async fn client_main(
         sleep(Duration::from_millis(thread_rng().gen_range(10..200))).await;
     }
     c
+}
+
+/// Whether the run has caught a violation: a run with a planted bug ends
+/// there, since what follows cannot un-catch it.
+fn caught(trace: &Mutex<PullTrace>) -> bool {
+    !trace.lock().expect("trace").violations.is_empty()
 }
 
 /// A sealed batch of one new note, retried until a terminal answer.
@@ -1187,6 +1197,7 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             mutant,
             trace.clone(),
             server,
+            scenario.mutant.is_some(),
         )));
     }
     let crasher = {
@@ -1222,6 +1233,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     for c in &mut clients {
+        if scenario.mutant.is_some() && caught(&trace) {
+            break;
+        }
         let mut terminal = false;
         for _ in 0..400 {
             if c.pull(&store, &trace).await == Some(true) {
