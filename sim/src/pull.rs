@@ -107,6 +107,8 @@ impl Default for PullScenario {
 pub struct PullTrace {
     /// Violations of `invariants::pull`, and problems the harness saw.
     pub violations: Vec<String>,
+    /// The run has a planted bug: it ends at its first violation.
+    pub planted: bool,
     pub pages: usize,
     pub changes: usize,
     pub retries: usize,
@@ -830,7 +832,6 @@ async fn client_main(
     mutant: Option<Mutant>,
     trace: Arc<Mutex<PullTrace>>,
     server: &'static str,
-    planted: bool,
 ) -> Client {
     let mut link = Link::bind_to((index as u64) << 40, server).await;
     let client_id = format!("pull-client-{index}");
@@ -874,7 +875,7 @@ async fn client_main(
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
     for p in 0..pulls {
-        if planted && caught(&trace) {
+        if caught(&trace) {
             break;
         }
         // (A bug's client writes a row of its own, so it has a change and
@@ -923,10 +924,11 @@ async fn client_main(
     c
 }
 
-/// Whether the run has caught a violation: a run with a planted bug ends
-/// there, since what follows cannot un-catch it.
+/// Whether a run with a planted bug has caught it: the run ends there,
+/// since what follows cannot un-catch it.
 fn caught(trace: &Mutex<PullTrace>) -> bool {
-    !trace.lock().expect("trace").violations.is_empty()
+    let t = trace.lock().expect("trace");
+    t.planted && !t.violations.is_empty()
 }
 
 /// A sealed batch of one new note, retried until a terminal answer.
@@ -1145,7 +1147,10 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     if scenario.standby {
         crate::start_standby(standby_main);
     }
-    let trace = Arc::new(Mutex::new(PullTrace::default()));
+    let trace = Arc::new(Mutex::new(PullTrace {
+        planted: scenario.mutant.is_some(),
+        ..PullTrace::default()
+    }));
     store
         .install_capture(&actors::capture::CapturePlan::new(&push_config()))
         .await
@@ -1197,7 +1202,6 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
             mutant,
             trace.clone(),
             server,
-            scenario.mutant.is_some(),
         )));
     }
     let crasher = {
@@ -1233,7 +1237,7 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     NetSim::current().update_config(|c| c.packet_loss_rate = 0.0);
     crate::capture::catch_up(&store, store.last_commit_lsn().await).await?;
     for c in &mut clients {
-        if scenario.mutant.is_some() && caught(&trace) {
+        if caught(&trace) {
             break;
         }
         let mut terminal = false;
