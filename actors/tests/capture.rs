@@ -92,3 +92,11 @@ async fn a_config_change_rematerializes_its_relations() {
     };
     actors::testkit::rematerialization_suite(&world).await;
 }
+
+#[tokio::test]
+async fn an_older_leader_gives_way_to_a_newer_config() {
+    let world = Mem {
+        store: actors::testkit::example_mem_store(9).await,
+    };
+    actors::testkit::an_older_leader_gives_way(&world).await;
+}

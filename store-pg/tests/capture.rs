@@ -8,7 +8,7 @@ use actors::materializer::CaptureStatus;
 use actors::store::{Store, StoreTx};
 use actors::testkit::{
     CaptureWorld, HandOver, Write, capture_suite, fast_config, invalid_owners, repair_resumes,
-    truncate_blocks,
+    truncate_blocks, without_templates,
 };
 use protocol::position::Boundary;
 use store_pg::cluster::PgCluster;
@@ -656,4 +656,101 @@ async fn an_idle_slot_lets_go_of_the_wal_after_a_burst() {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
     assert!(slot("confirmed").await > burst_end);
+}
+
+/// Whether the shared stream holds a quarantine.
+async fn quarantined(store: &PgStore) -> Option<CaptureProblem> {
+    let mut tx = store.begin().await.unwrap();
+    let p = tx.capture_progress().await.unwrap();
+    p.quarantine.map(|q| q.problem)
+}
+
+/// A rolling deploy that registers a table: the process still on the
+/// older config sees the newer start's publication, and must take it for
+/// a newer config (it gives way), not for drift that blocks the stream
+/// the newer process is about to lead (ADR 0020).
+#[tokio::test]
+async fn an_older_process_gives_way_to_a_config_that_registers_a_table() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "registers").await;
+    let older = actors::Engine::start(store.clone(), fast_config(without_templates))
+        .await
+        .unwrap();
+    wait_status(
+        &older,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "running",
+    )
+    .await;
+    // Another process, with the config that registers templates.
+    let own = PgStore::connect(cluster.connect_options("registers"))
+        .await
+        .unwrap();
+    let newer = actors::Engine::start(own, fast_config(|s| s))
+        .await
+        .unwrap();
+    wait_status(&older, |s| *s == CaptureStatus::Superseded, "superseded").await;
+    wait_status(
+        &newer,
+        |s| matches!(s, CaptureStatus::Running { .. }),
+        "the newer process leads",
+    )
+    .await;
+    assert_eq!(quarantined(&store).await, None);
+}
+
+/// The older process's installation check can run after the newer start
+/// changed what is installed and after it read the records that would
+/// have told it: its check sees a trigger the newer config dropped. It
+/// must give way, not quarantine the stream the newer process leads. The
+/// check is held on a lock until the newer start's two steps (its records,
+/// then its installation) are done, as a slow machine interleaves them.
+#[tokio::test]
+async fn an_older_process_whose_check_sees_a_newer_installation_gives_way() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let (store, older) = running_engine(&cluster, "interleaved").await;
+    let pool = store.pool();
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE synchro.capture_slot IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    // The older leader's next idle check waits on the lock, past its
+    // reading of the records.
+    let mut waiting = false;
+    for _ in 0..1000 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%confirmed_flush_lsn%'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if n > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(waiting, "the older leader's check waits on the lock");
+    // The newer start: its records, then its installation (templates no
+    // longer registered lose their triggers).
+    let newer = fast_config(without_templates);
+    let mut tx = store.begin().await.unwrap();
+    actors::stream::reconcile_rematerializations(&mut tx, &newer)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::raw_sql(
+        "DROP TRIGGER synchro_version ON public.templates; \
+         DROP TRIGGER synchro_key_guard ON public.templates;",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    lock.commit().await.unwrap();
+    wait_status(&older, |s| *s == CaptureStatus::Superseded, "superseded").await;
+    assert_eq!(quarantined(&store).await, None);
 }

@@ -127,7 +127,7 @@ pub async fn spawn<S: Store>(
                     tracing::warn!(error = %e, "materializer: cannot open the change feed");
                     // A feed that cannot open because capture is broken (a
                     // lost slot) blocks capture; any other failure is retried.
-                    match block_if_broken(&store, &status).await {
+                    match block_if_broken(&store, &model, &status).await {
                         Ok(true) => {}
                         _ => {
                             status.send_replace(CaptureStatus::Unavailable);
@@ -148,6 +148,7 @@ pub async fn spawn<S: Store>(
 /// the end of durable progress. Whether it did.
 async fn block_if_broken<S: Store>(
     store: &S,
+    model: &Model,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<bool, StoreError> {
     let Some(problem) = store.check_capture().await? else {
@@ -160,20 +161,30 @@ async fn block_if_broken<S: Store>(
         tx.commit().await?;
         (p.end_lsn, generation)
     };
-    block_installation(store, durable_end, generation, problem, status).await?;
+    block_installation(store, model, durable_end, generation, problem, status).await?;
     Ok(true)
 }
 
 /// Records a broken installation as the quarantine (at the end of durable
 /// progress) and blocks capture; it is checked again on every reopen.
+///
+/// A newer config's start records its capture model before it changes
+/// what is installed, so a check that saw the change was followed by the
+/// record: read here, in the quarantine's own transaction, it makes this
+/// process give way instead of blocking the stream the newer one leads.
 async fn block_installation<S: Store>(
     store: &S,
+    model: &Model,
     durable_end: Lsn,
     generation: u64,
     problem: CaptureProblem,
     status: &watch::Sender<CaptureStatus>,
 ) -> Result<(), StoreError> {
     let mut tx = store.begin().await?;
+    if superseded(model, &tx.rematerializations().await?) {
+        drop(tx);
+        return give_way(status);
+    }
     tx.quarantine(
         &Quarantine {
             commit_lsn: durable_end,
@@ -196,12 +207,17 @@ async fn block_installation<S: Store>(
 
 /// Whether a process started with another config has recorded its capture
 /// model since this one's: this process must not materialize with its own.
+/// Every start records each relation it captures with its model's
+/// fingerprint, and an empty one for each it no longer captures; so a
+/// record differs from this model's (empty where it captures nothing)
+/// only once a start with another config came after it.
 fn superseded(model: &Model, records: &[Rematerialization]) -> bool {
     records.iter().any(|r| {
-        model
+        let own = model
             .fingerprints
             .get(&r.relation)
-            .is_some_and(|f| *f != r.fingerprint)
+            .map_or("", String::as_str);
+        own != r.fingerprint
     })
 }
 
@@ -307,7 +323,8 @@ async fn lead<S: Store>(
     // between the last commit and its acknowledgement).
     feed.acknowledge(progress.end_lsn).await?;
     if let Some(problem) = store.check_capture().await? {
-        return block_installation(store, progress.end_lsn, generation, problem, status).await;
+        return block_installation(store, model, progress.end_lsn, generation, problem, status)
+            .await;
     }
     let mut boundary = progress.boundary;
     let mut durable_end: Lsn = progress.end_lsn;
@@ -425,7 +442,8 @@ async fn lead<S: Store>(
             // While idle, make sure nothing that feeds capture was dropped,
             // recreated or disabled (that would silently stop the WAL).
             if let Some(problem) = store.check_capture().await? {
-                return block_installation(store, durable_end, generation, problem, status).await;
+                return block_installation(store, model, durable_end, generation, problem, status)
+                    .await;
             }
             // An operator reset the stream (ADR 0012): this feed's slot is
             // no longer the stream's. The next feed takes the new baseline.

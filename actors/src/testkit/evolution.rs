@@ -21,6 +21,7 @@ use super::{CaptureWorld, Write};
 use crate::Engine;
 use crate::capture::{CaptureProgress, Effect};
 use crate::config::SyncConfig;
+use crate::materializer::CaptureStatus;
 use crate::store::{Store, StoreTx};
 
 const N1: &str = "00000000-0000-4000-8000-000000000e01";
@@ -37,10 +38,16 @@ pub fn config_before() -> SyncConfig {
             .find(|l| l.contains("fld_notes_body"))
             .unwrap()
             .to_owned();
-        let s = s.replace(&format!("{body}\n"), "");
-        let templates = s.find("[[tables]]\ntable_id = \"tbl_templates\"").unwrap();
-        s[..templates].to_owned()
+        without_templates(s.replace(&format!("{body}\n"), ""))
     })
+}
+
+/// The example config without its templates table (the last it registers).
+pub fn without_templates(config: String) -> String {
+    let at = config
+        .find("[[tables]]\ntable_id = \"tbl_templates\"")
+        .expect("the example config registers templates");
+    config[..at].to_owned()
 }
 
 /// The example config after: `body` synced, templates registered, notes
@@ -269,6 +276,58 @@ pub async fn rematerialization_suite<W: CaptureWorld>(world: &W) {
     );
     drop(Engine::start(store.clone(), removed).await.unwrap());
     assert_replaced(Engine::start(store.clone(), regrouped).await, 1);
+}
+
+/// A rolling deploy whose newer config registers a table while the older
+/// process still leads capture (ADR 0020 §8): the older gives way, and
+/// never blocks the stream the newer one then leads; the new table's
+/// rows reach their scope.
+pub async fn an_older_leader_gives_way<W: CaptureWorld>(world: &W) {
+    let store = world.store().clone();
+    // The two configs differ only by the table: no relation both capture
+    // changed its model.
+    let older = Engine::start(store.clone(), fast_config(without_templates))
+        .await
+        .unwrap();
+    stream_begun(&store).await;
+    capture_becomes(&older, "the older process leads", |s| {
+        matches!(s, CaptureStatus::Running { .. })
+    })
+    .await;
+    let newer = Engine::start(store.clone(), fast_config(|s| s))
+        .await
+        .unwrap();
+    capture_becomes(&older, "the older process gives way", |s| {
+        *s == CaptureStatus::Superseded
+    })
+    .await;
+    let template = [
+        ("id", Some("tpl-r")),
+        ("name", Some("n")),
+        ("body", Some("x")),
+    ];
+    let lsn = world
+        .write(&[Write::Insert("public.templates", &template)])
+        .await;
+    let p = settle(&store, lsn).await;
+    assert_eq!(p.quarantine, None, "nothing blocked the stream");
+    rematerialized(&store).await;
+    assert_eq!(held(&store, "templates_public").await.len(), 1);
+    assert!(matches!(
+        newer.capture_status(),
+        CaptureStatus::Running { .. }
+    ));
+}
+
+/// Waits (up to 10 s) until `engine`'s capture status satisfies `want`.
+async fn capture_becomes(engine: &Engine, what: &str, want: impl Fn(&CaptureStatus) -> bool) {
+    for _ in 0..2000 {
+        if want(&engine.capture_status()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{what}: not in 10 s ({:?})", engine.capture_status());
 }
 
 /// What the store holds of the configs processes started with.

@@ -21,7 +21,10 @@ pub use capture::{
     CaptureWorld, MemWorld, Write, capture_store_suite, capture_suite, fast_config, invalid_owners,
     rematerialized, repair_resumes, settle, stream_begun, truncate_blocks,
 };
-pub use evolution::{config_after, config_before, rematerialization_suite};
+pub use evolution::{
+    an_older_leader_gives_way, config_after, config_before, rematerialization_suite,
+    without_templates,
+};
 pub use pull::{
     PullClient, a_pull_waits_for_its_own_writes, a_standby_hears_the_leaders_fence_reports,
     cursor_bindings, cursor_generation, cursor_position, mint_cursor, note_row, origin_cursor,
