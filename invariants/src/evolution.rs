@@ -202,6 +202,22 @@ pub fn check_replaced_refused(refused: Option<bool>) -> Result<(), Vec<String>> 
     }
 }
 
+/// The old deploy's process that ran all along no longer leads capture
+/// once the new config started (ADR 0020 §6): leading, it would
+/// materialize with the old model. `leads` is whether it led at the end,
+/// `None` if it never started.
+pub fn check_old_process_gave_way(leads: Option<bool>) -> Result<(), Vec<String>> {
+    match leads {
+        Some(false) => Ok(()),
+        Some(true) => Err(vec![
+            "a process on the replaced config still leads capture".into(),
+        ]),
+        None => Err(vec![
+            "the old deploy's running process never started".into(),
+        ]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::panic)] // tests fail loudly

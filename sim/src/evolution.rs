@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use actors::capture::{CapturePlan, Effect, EffectOp};
 use actors::config::SyncConfig;
+use actors::materializer::CaptureStatus;
 use actors::store::{MemStore, MemTx, Store, StoreTx};
 use actors::testkit::{EXAMPLE_RELATIONS, config_after, config_before};
 use client::{Client, LocalStore, MemoryStore, SyncError};
@@ -66,6 +67,9 @@ pub struct EvolutionScenario {
     /// A planted bug: the hand-over owes no relation, so the rows the
     /// baseline had not read are lost.
     pub handover_forgets_rows: bool,
+    /// A second process of the old deploy runs all along, beside the
+    /// server, and is still running after the deploy.
+    pub old_process: bool,
 }
 
 impl Default for EvolutionScenario {
@@ -80,6 +84,7 @@ impl Default for EvolutionScenario {
             forgets_applied_configs: false,
             existing_notes: 0,
             handover_forgets_rows: false,
+            old_process: false,
         }
     }
 }
@@ -106,6 +111,11 @@ pub struct EvolutionTrace {
     /// How the old deploy's process fared when it restarted after the
     /// deploy: `Some(true)` refused, `Some(false)` started.
     pub replaced_refused: Option<bool>,
+    /// Whether the scenario ran a second process of the old deploy all along.
+    pub old_process: bool,
+    /// Whether that process still led capture at the end (`None`: it
+    /// never started).
+    pub old_process_leads: Option<bool>,
     /// A crash cut the baseline short, and it was handed over (ADR 0030).
     pub baseline_cut_short: bool,
     /// Before the deploy, with existing rows: the notes not held in
@@ -293,6 +303,36 @@ async fn old_deploy_restarts(store: MemStore, refused: Arc<Mutex<Option<bool>>>)
             }
         }
     }
+}
+
+/// A process of the old deploy that runs all along (a rolling deploy
+/// that has not yet stopped it): a second engine under the old config
+/// beside the server, which takes capture over whenever the server is
+/// down. Once the new config started it must give capture away (ADR 0020
+/// §6); `leads` says, every 50 ms, whether it leads.
+async fn old_process_runs(config: SyncConfig, leads: Arc<Mutex<Option<bool>>>) {
+    let incarnation: u32 = thread_rng().r#gen();
+    let store = crate::remote::RemoteStore::new(incarnation as u64, None);
+    let engine = crate::remote::start_engine_with(store, config).await;
+    loop {
+        let status = engine.capture_status();
+        let leading = matches!(
+            status,
+            CaptureStatus::Running { .. } | CaptureStatus::Baseline(_) | CaptureStatus::Blocked(_)
+        );
+        *leads.lock().unwrap() = Some(leading);
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Starts the old deploy's process that runs all along ([`old_process_runs`]).
+fn handle_old_process(config: SyncConfig, leads: Arc<Mutex<Option<bool>>>) {
+    Handle::current()
+        .create_node()
+        .name("old-process")
+        .ip("10.0.0.5".parse().expect("ip"))
+        .build()
+        .spawn(old_process_runs(config, leads));
 }
 
 /// The server node: the real engine under whichever config is current.
@@ -606,6 +646,10 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         })
     };
     stream_begun(&store).await?;
+    let old_process_leads = Arc::new(Mutex::new(None));
+    if scenario.old_process {
+        handle_old_process(sized(config_before()), old_process_leads.clone());
+    }
     let notes = Arc::new(Mutex::new(Vec::new()));
     let halfway = Arc::new(AtomicUsize::new(0));
     let switched = Arc::new(AtomicBool::new(false));
@@ -665,6 +709,13 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     if scenario.devices {
         synced_since(&synced).await?;
     }
+    // The old deploy's second process runs when the deploy comes.
+    for _ in 0..if scenario.old_process { 600 } else { 0 } {
+        if old_process_leads.lock().unwrap().is_some() {
+            break;
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
     *config.lock().unwrap() = sized(config_after());
     // A kill first: `restart` alone keeps the old incarnation's socket.
     Handle::current().kill("server");
@@ -695,6 +746,8 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
         let mut trace = EvolutionTrace {
             crashes: crashes.load(Ordering::Relaxed),
             replaced_refused: *replaced.lock().unwrap(),
+            old_process: scenario.old_process,
+            old_process_leads: *old_process_leads.lock().unwrap(),
             baseline_cut_short,
             unowned_before,
             ..EvolutionTrace::default()

@@ -25,6 +25,9 @@ fn judged(trace: &EvolutionTrace) -> Result<(), Vec<String>> {
         return Err(trace.unowned_before.clone());
     }
     invariants::evolution::check_replaced_refused(trace.replaced_refused)?;
+    if trace.old_process {
+        invariants::evolution::check_old_process_gave_way(trace.old_process_leads)?;
+    }
     if !trace.undecodable.is_empty() {
         return Err(trace.undecodable.clone());
     }
@@ -53,7 +56,11 @@ async fn run(scenario: EvolutionScenario, reproduce: &str) -> EvolutionTrace {
 #[madsim::test]
 async fn every_scope_converges_under_the_new_config() {
     let reproduce = reproduce("every_scope_converges_under_the_new_config");
-    let trace = run(EvolutionScenario::default(), &reproduce).await;
+    let scenario = EvolutionScenario {
+        old_process: true,
+        ..EvolutionScenario::default()
+    };
+    let trace = run(scenario, &reproduce).await;
     eprintln!(
         "stats: scopes {} rows held {} re-read {} crashes {} elapsed {:?}",
         trace.held.len(),

@@ -700,6 +700,18 @@ async fn an_older_process_gives_way_to_a_config_that_registers_a_table() {
     assert_eq!(quarantined(&store).await, None);
 }
 
+/// A write to the table a newer config registers reaches the older leader
+/// first: it gives way, not a quarantine, as on MemStore (ADR 0020 §6).
+#[tokio::test]
+async fn an_older_leader_gives_way_on_postgres() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let cluster = PgCluster::temp().unwrap();
+    let world = Pg {
+        store: example_store(&cluster, "gives_way").await,
+    };
+    actors::testkit::an_older_leader_gives_way(&world).await;
+}
+
 /// The older process's installation check can run after the newer start
 /// changed what is installed and after it read the records that would
 /// have told it: its check sees a trigger the newer config dropped. It

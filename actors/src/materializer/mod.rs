@@ -247,7 +247,10 @@ struct Group<'g> {
 }
 
 /// One group's database transaction: its materialization (or quarantine)
-/// and the heartbeat that reports on it. The outcome and the lag after it.
+/// and the heartbeat that reports on it. The outcome and the lag after it;
+/// `None`, with nothing committed, if a transaction would be quarantined
+/// after a start with another config superseded this process (ADR 0020
+/// §6): what an older model cannot read is the newer one's to materialize.
 async fn commit_group<S: Store>(
     store: &S,
     model: &Model,
@@ -256,9 +259,12 @@ async fn commit_group<S: Store>(
     durable_end: Lsn,
     drained: bool,
     source_end: Lsn,
-) -> Result<(step::GroupOutcome, u64), StoreError> {
+) -> Result<Option<(step::GroupOutcome, u64)>, StoreError> {
     let mut tx = store.begin().await?;
     let mut outcome = step::materialize_group(&mut tx, model, group.transactions).await?;
+    if outcome.problem.is_some() && superseded(model, &tx.rematerializations().await?) {
+        return Ok(None);
+    }
     if let Some(m) = &mut outcome.combined {
         m.stream_generation = generation;
         // The chunk's progress commits with the chunk, if it materialized.
@@ -290,7 +296,7 @@ async fn commit_group<S: Store>(
     })
     .await?;
     tx.commit().await?;
-    Ok((outcome, lag))
+    Ok(Some((outcome, lag)))
 }
 
 /// Materializes from `feed` until the store fails or a transaction is quarantined.
@@ -522,7 +528,8 @@ async fn lead<S: Store>(
             )
             .await
             {
-                Ok(done) => break done,
+                Ok(Some(done)) => break done,
+                Ok(None) => return give_way(status),
                 Err(e) => e,
             };
             if !matches!(failure, StoreError::Unavailable(_)) || attempts == GROUP_ATTEMPTS {
