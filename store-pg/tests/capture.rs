@@ -712,6 +712,25 @@ async fn an_older_leader_gives_way_on_postgres() {
     actors::testkit::an_older_leader_gives_way(&world).await;
 }
 
+/// Whether, within half a second, the installation check's lost-slot
+/// query waits on a lock.
+async fn check_waits(pool: &sqlx::PgPool) -> bool {
+    for _ in 0..100 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%confirmed_flush_lsn%'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if n > 0 {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    false
+}
+
 /// The older process's installation check can run after the newer start
 /// changed what is installed and after it read the records that would
 /// have told it: its check sees a trigger the newer config dropped. It
@@ -724,29 +743,24 @@ async fn an_older_process_whose_check_sees_a_newer_installation_gives_way() {
     let cluster = PgCluster::temp().unwrap();
     let (store, older) = running_engine(&cluster, "interleaved").await;
     let pool = store.pool();
-    let mut lock = pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE synchro.capture_slot IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut *lock)
-        .await
-        .unwrap();
     // The older leader's next idle check waits on the lock, past its
-    // reading of the records.
-    let mut waiting = false;
-    for _ in 0..1000 {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND query LIKE '%confirmed_flush_lsn%'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        if n > 0 {
-            waiting = true;
+    // reading of the records. Another step of its loop may be caught on
+    // the lock instead (reading progress takes it too): then let go and
+    // try again.
+    let mut held = None;
+    for _ in 0..50 {
+        let mut lock = pool.begin().await.unwrap();
+        sqlx::query("LOCK TABLE synchro.capture_slot IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut *lock)
+            .await
+            .unwrap();
+        if check_waits(pool).await {
+            held = Some(lock);
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        lock.rollback().await.unwrap();
     }
-    assert!(waiting, "the older leader's check waits on the lock");
+    let lock = held.expect("the older leader's check waits on the lock");
     // The newer start: its records, then its installation (templates no
     // longer registered lose their triggers).
     let newer = fast_config(without_templates);
