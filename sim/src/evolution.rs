@@ -326,7 +326,7 @@ async fn old_process_runs(config: SyncConfig, leads: Arc<Mutex<Option<bool>>>) {
 }
 
 /// Starts the old deploy's process that runs all along ([`old_process_runs`]).
-fn handle_old_process(config: SyncConfig, leads: Arc<Mutex<Option<bool>>>) {
+fn start_old_process(config: SyncConfig, leads: Arc<Mutex<Option<bool>>>) {
     Handle::current()
         .create_node()
         .name("old-process")
@@ -648,7 +648,7 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     stream_begun(&store).await?;
     let old_process_leads = Arc::new(Mutex::new(None));
     if scenario.old_process {
-        handle_old_process(sized(config_before()), old_process_leads.clone());
+        start_old_process(sized(config_before()), old_process_leads.clone());
     }
     let notes = Arc::new(Mutex::new(Vec::new()));
     let halfway = Arc::new(AtomicUsize::new(0));
@@ -709,12 +709,14 @@ pub async fn run_evolution(scenario: EvolutionScenario) -> Result<EvolutionTrace
     if scenario.devices {
         synced_since(&synced).await?;
     }
-    // The old deploy's second process runs when the deploy comes.
-    for _ in 0..if scenario.old_process { 600 } else { 0 } {
-        if old_process_leads.lock().unwrap().is_some() {
-            break;
+    if scenario.old_process {
+        // The old deploy's second process runs when the deploy comes.
+        for _ in 0..600 {
+            if old_process_leads.lock().unwrap().is_some() {
+                break;
+            }
+            sleep(Duration::from_millis(100)).await;
         }
-        sleep(Duration::from_millis(100)).await;
     }
     *config.lock().unwrap() = sized(config_after());
     // A kill first: `restart` alone keeps the old incarnation's socket.
