@@ -3,6 +3,12 @@
 //! - row events materialized per second for 1-row and 100-row transactions,
 //!   against raw pgoutput decoding of the same WAL (a second slot created at
 //!   the same point), measured in the same run;
+//! - the write floor of the same run: the time PostgreSQL takes to write the
+//!   materializer's output rows again (projections, membership, effects,
+//!   source transactions) into empty tables of the same columns and indexes,
+//!   with one `INSERT ... SELECT` each in one transaction. No materializer
+//!   that stores those rows can take less, so `raw / floor` bounds the share
+//!   of raw decoding any of them can reach on the machine;
 //! - commit-to-materialized latency p50/p99 of single-row transactions at a
 //!   moderate rate (about 80 per second), with the materializer caught up.
 //!
@@ -136,13 +142,54 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
         .await
         .unwrap();
     assert_eq!(effects as usize, ROWS + 1, "one effect per inserted row");
+    drop(engine);
+    let floor_s = write_floor(&pool).await.as_secs_f64();
     println!(
-        "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw)",
+        "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw); \
+         write floor {:.3} s ({:.0}% of raw), materialized {:.2}x the floor",
         ROWS as f64 / raw_s,
         ROWS as f64 / mat_s,
-        100.0 * raw_s / mat_s
+        100.0 * raw_s / mat_s,
+        floor_s,
+        100.0 * raw_s / floor_s,
+        mat_s / floor_s
     );
-    drop(engine);
+}
+
+/// The time to write the materializer's output rows again, as plainly as
+/// PostgreSQL can: into empty copies of their tables (columns and indexes),
+/// in one transaction, after a checkpoint so it starts clean. The baseline
+/// bench measures its own floor the same way.
+async fn write_floor(pool: &PgPool) -> Duration {
+    const TABLES: [&str; 4] = [
+        "projections",
+        "scope_members",
+        "scope_effects",
+        "source_transactions",
+    ];
+    let mut conn = pool.acquire().await.unwrap();
+    for t in TABLES {
+        sqlx::raw_sql(&format!(
+            "CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
+        ))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    }
+    sqlx::raw_sql("CHECKPOINT")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let copies: String = TABLES
+        .iter()
+        .map(|t| format!("INSERT INTO public.floor_{t} SELECT * FROM synchro.{t};"))
+        .collect();
+    let start = Instant::now();
+    sqlx::raw_sql(&format!("BEGIN; {copies} COMMIT;"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    start.elapsed()
 }
 
 async fn latency(cluster: &PgCluster) {

@@ -175,14 +175,14 @@ fn run(
                 // The blocked transaction leaves nothing behind.
                 state.roll_back();
                 return GroupOutcome {
-                    combined: combined.map(|c| finish(c, &state)),
+                    combined: combined.map(|c| finish(c, state)),
                     problem: Some((source.commit_lsn, problem)),
                 };
             }
         }
     }
     GroupOutcome {
-        combined: combined.map(|c| finish(c, &state)),
+        combined: combined.map(|c| finish(c, state)),
         problem: None,
     }
 }
@@ -711,12 +711,14 @@ fn absorb(c: &mut Materialization, m: Materialization) {
 }
 
 /// Each projection and dependency row the group changed, as the last
-/// transaction left it: written once.
-fn finish(mut c: Materialization, state: &State) -> Materialization {
+/// transaction left it: written once. Takes the state, whose projections
+/// move into the writes instead of being copied (a copy of each row's
+/// wire value was a twentieth of the materializer's CPU).
+fn finish(mut c: Materialization, mut state: State) -> Materialization {
     let none = BTreeSet::new();
     for slot in &state.changed_rows {
         let before = state.existed.get(slot);
-        let after = state.projections.get(slot).cloned().flatten();
+        let after = state.projections.remove(slot).flatten();
         // Membership changes against the scopes before the group: a row
         // whose scopes did not change writes nothing to the index.
         let now = after.as_ref().map_or(&none, |p| &p.scopes);
@@ -736,7 +738,7 @@ fn finish(mut c: Materialization, state: &State) -> Materialization {
         }
     }
     for slot in &state.changed_dependencies {
-        match state.dependencies.get(slot).cloned().flatten() {
+        match state.dependencies.remove(slot).flatten() {
             Some(image) => c.put_dependencies.push(DependencyRow {
                 relation: slot.0.clone(),
                 identity: slot.1.clone(),
