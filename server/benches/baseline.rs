@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 use actors::store::{Store, StoreTx};
 use futures_util::StreamExt;
 use sqlx::PgPool;
-use store_pg::PgStore;
 use store_pg::cluster::PgCluster;
+use store_pg::{PgStore, write_floor};
 
 #[path = "served.rs"]
 mod served;
@@ -123,7 +123,7 @@ async fn main() {
         notes + TEMPLATES,
         "every note and template is projected"
     );
-    let floor = write_floor(&pool).await;
+    let floor = write_floor(&pool, &OUTPUT).await;
     let baseline_peak = peak;
     println!(
         "baseline of {rows} rows: {:.2} s, {:.0} rows/s; write floor {:.2} s; \
@@ -181,7 +181,7 @@ async fn main() {
     .await
     .unwrap();
     assert_eq!(reread as usize, notes, "every note was re-read");
-    let remat_floor = write_floor(&pool).await;
+    let remat_floor = write_floor(&pool, &OUTPUT).await;
     println!(
         "rematerialization of {notes} notes (a field added over values, at a share of \
          {share}%): {:.2} s, {:.0} rows/s; \
@@ -395,33 +395,5 @@ impl Readers {
     }
 }
 
-/// The time to write the baseline's materialized rows again, as plainly as
-/// PostgreSQL can: into empty copies of their tables (columns and indexes),
-/// in one transaction, with a checkpoint before so it starts clean.
-async fn write_floor(pool: &PgPool) -> Duration {
-    const TABLES: [&str; 3] = ["projections", "scope_members", "dependency_rows"];
-    let mut conn = pool.acquire().await.unwrap();
-    for t in TABLES {
-        sqlx::raw_sql(&format!(
-            "DROP TABLE IF EXISTS public.floor_{t}; \
-             CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
-        ))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    }
-    sqlx::raw_sql("CHECKPOINT")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let start = Instant::now();
-    let copies: String = TABLES
-        .iter()
-        .map(|t| format!("INSERT INTO public.floor_{t} SELECT * FROM synchro.{t};"))
-        .collect();
-    sqlx::raw_sql(&format!("BEGIN; {copies} COMMIT;"))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    start.elapsed()
-}
+/// The baseline's output tables: what its write floor writes again.
+const OUTPUT: [&str; 3] = ["projections", "scope_members", "dependency_rows"];

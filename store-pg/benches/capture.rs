@@ -25,8 +25,8 @@ use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationE
 use sqlx::PgPool;
 use store_pg::capture::{FeedTarget, PUBLICATION};
 use store_pg::cluster::PgCluster;
-use store_pg::example_store;
 use store_pg::pgoutput::{Message, decode};
+use store_pg::{example_store, write_floor};
 
 const ROWS: usize = 20_000;
 
@@ -143,7 +143,7 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
         .unwrap();
     assert_eq!(effects as usize, ROWS + 1, "one effect per inserted row");
     drop(engine);
-    let floor_s = write_floor(&pool).await.as_secs_f64();
+    let floor_s = write_floor(&pool, &OUTPUT).await.as_secs_f64();
     println!(
         "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw); \
          write floor {:.3} s ({:.0}% of raw), materialized {:.2}x the floor",
@@ -156,41 +156,13 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
     );
 }
 
-/// The time to write the materializer's output rows again, as plainly as
-/// PostgreSQL can: into empty copies of their tables (columns and indexes),
-/// in one transaction, after a checkpoint so it starts clean. The baseline
-/// bench measures its own floor the same way.
-async fn write_floor(pool: &PgPool) -> Duration {
-    const TABLES: [&str; 4] = [
-        "projections",
-        "scope_members",
-        "scope_effects",
-        "source_transactions",
-    ];
-    let mut conn = pool.acquire().await.unwrap();
-    for t in TABLES {
-        sqlx::raw_sql(&format!(
-            "CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
-        ))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    }
-    sqlx::raw_sql("CHECKPOINT")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let copies: String = TABLES
-        .iter()
-        .map(|t| format!("INSERT INTO public.floor_{t} SELECT * FROM synchro.{t};"))
-        .collect();
-    let start = Instant::now();
-    sqlx::raw_sql(&format!("BEGIN; {copies} COMMIT;"))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    start.elapsed()
-}
+/// The materializer's output tables: what its write floor writes again.
+const OUTPUT: [&str; 4] = [
+    "projections",
+    "scope_members",
+    "scope_effects",
+    "source_transactions",
+];
 
 async fn latency(cluster: &PgCluster) {
     let store = example_store(cluster, "latency").await;

@@ -935,6 +935,40 @@ pub async fn example_store(cluster: &cluster::PgCluster, name: &str) -> PgStore 
     store
 }
 
+/// The write floor of a bench: the time to write the rows of `tables`
+/// (tables of `synchro`) again, as plainly as PostgreSQL can: into empty
+/// copies of them (columns and indexes) in `public`, with one
+/// `INSERT ... SELECT` each in one transaction, after a checkpoint so it
+/// starts clean. Whatever stores those rows cannot take less.
+#[cfg(feature = "testkit")]
+#[allow(clippy::expect_used)] // test support fails loudly
+pub async fn write_floor(pool: &sqlx::PgPool, tables: &[&str]) -> std::time::Duration {
+    let mut conn = pool.acquire().await.expect("a connection");
+    for t in tables {
+        sqlx::raw_sql(&format!(
+            "DROP TABLE IF EXISTS public.floor_{t}; \
+             CREATE TABLE public.floor_{t} (LIKE synchro.{t} INCLUDING ALL)"
+        ))
+        .execute(&mut *conn)
+        .await
+        .expect("an empty copy");
+    }
+    sqlx::raw_sql("CHECKPOINT")
+        .execute(&mut *conn)
+        .await
+        .expect("checkpoint");
+    let copies: String = tables
+        .iter()
+        .map(|t| format!("INSERT INTO public.floor_{t} SELECT * FROM synchro.{t};"))
+        .collect();
+    let start = std::time::Instant::now();
+    sqlx::raw_sql(&format!("BEGIN; {copies} COMMIT;"))
+        .execute(&mut *conn)
+        .await
+        .expect("the copies");
+    start.elapsed()
+}
+
 #[cfg(feature = "testkit")]
 #[allow(clippy::expect_used)] // test support fails loudly
 impl actors::testkit::ConformanceStore for PgStore {
