@@ -712,8 +712,8 @@ fn absorb(c: &mut Materialization, m: Materialization) {
 
 /// Each projection and dependency row the group changed, as the last
 /// transaction left it: written once. Takes the state, whose projections
-/// move into the writes instead of being copied (a copy of each row's
-/// wire value was a twentieth of the materializer's CPU).
+/// move into the writes instead of being copied (the copies were about 6%
+/// of the materializer's CPU samples).
 fn finish(mut c: Materialization, mut state: State) -> Materialization {
     let none = BTreeSet::new();
     for slot in &state.changed_rows {
