@@ -874,7 +874,16 @@ async fn client_main(
     // A damaged copy is caught by the same check a planted bug trips, so
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
-    for p in 0..pulls {
+    // The cross-generation bug needs a page after the reset, and capture
+    // can stall long enough for the reset to come after this client's
+    // last pull (seed 1041): its client pulls on, up to four times as
+    // often, until the bug has fired.
+    let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
+    let more = |p: usize| {
+        p < pulls || (keeps_cursors && p < 4 * pulls && !trace.lock().expect("trace").mutated)
+    };
+    let mut p = 0;
+    while more(p) {
         if caught(&trace) {
             break;
         }
@@ -894,7 +903,6 @@ async fn client_main(
         // holds is stale, and the next pull sends each scope to rebuild.
         // (The cross-generation bug's client keeps its cursors for the
         // reset to make stale: it neither reconnects nor loses a scope.)
-        let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
         if p > 0 && !keeps_cursors && thread_rng().gen_bool(0.05) {
             c.reconnect(&trace).await;
         }
@@ -920,6 +928,7 @@ async fn client_main(
         }
         c.pull(&store, &trace).await;
         sleep(Duration::from_millis(thread_rng().gen_range(10..200))).await;
+        p += 1;
     }
     c
 }
@@ -1330,7 +1339,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
 }
 
 /// The operator's reset (ADR 0012), once mid-run: after `pages` pages and
-/// a page applied by each of the `clients` (or five simulated minutes), the
+/// a page applied by each of the `clients` (or fifteen simulated minutes:
+/// capture can stall for minutes, and at five one client had applied no
+/// page yet, so it held no cursor for the reset to make stale; seed 1041), the
 /// slot is lost (the application keeps writing), capture blocks, then the
 /// stream is reset.
 async fn reset_operator(
@@ -1339,7 +1350,7 @@ async fn reset_operator(
     pages: usize,
     clients: usize,
 ) {
-    for _ in 0..3000 {
+    for _ in 0..9000 {
         {
             let t = trace.lock().expect("trace");
             if t.pages >= pages && t.pulled.len() >= clients {
