@@ -874,10 +874,10 @@ async fn client_main(
     // A damaged copy is caught by the same check a planted bug trips, so
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
-    // The cross-generation bug needs a page after the reset, and capture
-    // can stall long enough for the reset to come after this client's
-    // last pull (seed 1041): its client pulls on, up to four times as
-    // often, until the bug has fired.
+    // The cross-generation bug needs a page after the reset, which waits
+    // for every client's first page and can come late when capture
+    // stalls: its client pulls on, up to four times as often, until the
+    // bug has fired.
     let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
     let more = |p: usize| {
         p < pulls || (keeps_cursors && p < 4 * pulls && !trace.lock().expect("trace").mutated)
