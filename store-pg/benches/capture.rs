@@ -59,8 +59,9 @@ async fn raw_decoding(cluster: &PgCluster, db: &str, end: Lsn) -> usize {
     rows
 }
 
-/// CPU time this process has used (user and system), from `/proc`: what
-/// the materializer itself spends, apart from PostgreSQL's processes.
+/// CPU time this process has used (user and system), from `/proc`: the
+/// materializer's, its feed's decoding and this bench's polling, apart
+/// from PostgreSQL's processes.
 fn own_cpu() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
     // The fields after the command's closing parenthesis; utime and stime
