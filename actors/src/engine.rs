@@ -400,9 +400,9 @@ impl Engine {
         .flatten()
     }
 
-    /// Source transactions and row events this process materialized since
-    /// it started.
-    pub fn materialized(&self) -> (u64, u64) {
+    /// What this process materialized as capture leader since it started,
+    /// and the time it took.
+    pub fn materialized(&self) -> crate::visibility::Materialized {
         self.reports.materialized()
     }
 }

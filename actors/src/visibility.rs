@@ -60,11 +60,34 @@ pub struct CaptureReports {
     materialized: Arc<MaterializedCounts>,
 }
 
-/// Source transactions and row events this process committed as leader.
+/// Source transactions and row events this process committed as leader,
+/// and the time their groups took, in microseconds.
 #[derive(Debug, Default)]
 pub struct MaterializedCounts {
     transactions: AtomicU64,
     rows: AtomicU64,
+    preparing_us: AtomicU64,
+    writing_us: AtomicU64,
+}
+
+/// What this process materialized as capture leader since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Materialized {
+    pub transactions: u64,
+    pub rows: u64,
+    /// Reading the committed groups' prior state and computing their writes.
+    pub preparing: Duration,
+    /// Running the committed groups' writes and committing them.
+    pub writing: Duration,
+}
+
+/// The two halves of one group's database transaction: the materializer
+/// computes while its backend waits, then the backend writes while it
+/// waits (docs/PERFORMANCE.md).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupTimes {
+    pub preparing: Duration,
+    pub writing: Duration,
 }
 
 impl Default for CaptureReports {
@@ -144,21 +167,28 @@ impl CaptureReports {
     }
 
     /// The materializer committed a group of `transactions` holding `rows`
-    /// row events.
-    pub fn committed(&self, transactions: usize, rows: usize) {
+    /// row events, in `times`.
+    pub fn committed(&self, transactions: usize, rows: usize, times: GroupTimes) {
         let m = &self.materialized;
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         m.transactions
             .fetch_add(transactions as u64, Ordering::Relaxed);
         m.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        m.preparing_us
+            .fetch_add(micros(times.preparing), Ordering::Relaxed);
+        m.writing_us
+            .fetch_add(micros(times.writing), Ordering::Relaxed);
     }
 
-    /// Source transactions and row events materialized since start.
-    pub fn materialized(&self) -> (u64, u64) {
+    /// What this process materialized since start.
+    pub fn materialized(&self) -> Materialized {
         let m = &self.materialized;
-        (
-            m.transactions.load(Ordering::Relaxed),
-            m.rows.load(Ordering::Relaxed),
-        )
+        Materialized {
+            transactions: m.transactions.load(Ordering::Relaxed),
+            rows: m.rows.load(Ordering::Relaxed),
+            preparing: Duration::from_micros(m.preparing_us.load(Ordering::Relaxed)),
+            writing: Duration::from_micros(m.writing_us.load(Ordering::Relaxed)),
+        }
     }
 
     /// A watch over what is reported from now on. Taken before the
@@ -277,6 +307,31 @@ pub struct Visibility {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn committed_groups_add_up() {
+        let reports = CaptureReports::default();
+        assert_eq!(reports.materialized(), Materialized::default());
+        for (preparing, writing) in [(3, 5), (7, 11)] {
+            reports.committed(
+                2,
+                10,
+                GroupTimes {
+                    preparing: Duration::from_millis(preparing),
+                    writing: Duration::from_millis(writing),
+                },
+            );
+        }
+        assert_eq!(
+            reports.materialized(),
+            Materialized {
+                transactions: 4,
+                rows: 20,
+                preparing: Duration::from_millis(10),
+                writing: Duration::from_millis(16),
+            }
+        );
+    }
 
     #[tokio::test]
     async fn a_watch_sees_every_fence_reported_after_it_began() {

@@ -20,8 +20,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use protocol::error::ErrorCode;
 use store_pg::PgStore;
@@ -57,6 +57,7 @@ pub struct Metrics {
     retained_wal: IntGauge,
     materialized_transactions: IntCounter,
     materialized_rows: IntCounter,
+    materializer_seconds: CounterVec,
     rebuild_sessions: IntGauge,
     pool: IntGaugeVec,
     /// Scrapes sample one at a time: the counters above move by deltas.
@@ -149,6 +150,18 @@ impl Metrics {
         for endpoint in ["connect", "push", "pull", "rebuild"] {
             admission_rejected.with_label_values(&[endpoint]);
         }
+        let materializer_seconds = CounterVec::new(
+            Opts::new(
+                "synchro_materializer_seconds_total",
+                "Time the capture leader's committed groups took, by phase: prepare \
+                 (reading prior state, computing the writes) and write (the writes and commit).",
+            ),
+            &["phase"],
+        )?;
+        registry.register(Box::new(materializer_seconds.clone()))?;
+        for phase in ["prepare", "write"] {
+            materializer_seconds.with_label_values(&[phase]);
+        }
         Ok(Metrics {
             requests,
             durations,
@@ -188,6 +201,7 @@ impl Metrics {
                 "synchro_materialized_rows_total",
                 "Source row changes this process materialized as capture leader.",
             )?,
+            materializer_seconds,
             rebuild_sessions: gauge(
                 "synchro_rebuild_sessions_active",
                 "Rebuild sessions not yet swept.",
@@ -242,9 +256,13 @@ impl Metrics {
             CaptureStatus::Running { .. } | CaptureStatus::Baseline(_) | CaptureStatus::Blocked(_)
         );
         self.capture_leader.set(i64::from(leads));
-        let (transactions, rows) = engine.materialized();
-        advance(&self.materialized_transactions, transactions);
-        advance(&self.materialized_rows, rows);
+        let done = engine.materialized();
+        advance(&self.materialized_transactions, done.transactions);
+        advance(&self.materialized_rows, done.rows);
+        for (phase, total) in [("prepare", done.preparing), ("write", done.writing)] {
+            let c = self.materializer_seconds.with_label_values(&[phase]);
+            c.inc_by((total.as_secs_f64() - c.get()).max(0.0));
+        }
         let pool = store.pool();
         let (size, idle) = (i64::from(pool.size()), pool.num_idle() as i64);
         self.pool.with_label_values(&["idle"]).set(idle);

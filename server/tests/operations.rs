@@ -409,13 +409,19 @@ async fn metrics_are_scraped_parsed_and_follow_capture() {
         value(&scrape(metrics).await, "synchro_materialized_rows_total") >= rows + 5.0
     })
     .await;
+    let prepare = "synchro_materializer_seconds_total{phase=\"prepare\"}";
+    let write = "synchro_materializer_seconds_total{phase=\"write\"}";
+    let text = scrape(metrics).await;
+    assert!(value(&text, prepare) > 0.0, "{prepare} counts\n{text}");
+    assert!(value(&text, write) > 0.0, "{write} counts\n{text}");
 
     // Capture held back: a lock on what the materializer writes. Lag and
     // retained WAL rise while source writes go on.
     let settled = scrape(metrics).await;
-    let (lag0, wal0) = (
+    let (lag0, wal0, prepare0) = (
         value(&settled, "synchro_capture_lag_bytes"),
         value(&settled, "synchro_replication_slot_retained_wal_bytes"),
+        value(&settled, prepare),
     );
     let mut hold = pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE synchro.projections IN ACCESS EXCLUSIVE MODE")
@@ -453,6 +459,12 @@ async fn metrics_are_scraped_parsed_and_follow_capture() {
             && value(&t, "synchro_ready") == 1.0
     })
     .await;
+    // The held group waited in its first read of projections: preparing.
+    let prepare1 = value(&scrape(metrics).await, prepare);
+    assert!(
+        prepare1 >= prepare0 + 1.5,
+        "the held group's wait counts as preparing: {prepare0} -> {prepare1}"
+    );
 
     // A dropped slot: unready, and blocked with its reason.
     sqlx::raw_sql(

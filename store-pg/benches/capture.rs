@@ -9,6 +9,9 @@
 //!   with one `INSERT ... SELECT` each in one transaction. No materializer
 //!   that stores those rows can take less, so `raw / floor` bounds the share
 //!   of raw decoding any of them can reach on the machine;
+//! - how the materializer's groups split their time: preparing (reading
+//!   prior state, computing the writes) against writing (the statements
+//!   and the commit), the second also as a ratio to the write floor;
 //! - commit-to-materialized latency p50/p99 of single-row transactions at a
 //!   moderate rate (about 80 per second), with the materializer caught up.
 //!
@@ -157,18 +160,23 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
         .await
         .unwrap();
     assert_eq!(effects as usize, ROWS + 1, "one effect per inserted row");
+    let done = engine.materialized();
     drop(engine);
     let floor_s = write_floor(&pool, &OUTPUT).await.as_secs_f64();
     println!(
         "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw); \
-         write floor {:.3} s ({:.0}% of raw), materialized {:.2}x the floor; this process's CPU {:.0} us/row",
+         write floor {:.3} s ({:.0}% of raw), materialized {:.2}x the floor; this process's CPU {:.0} us/row; \
+         groups: preparing {:.3} s, writing {:.3} s ({:.2}x the floor)",
         ROWS as f64 / raw_s,
         ROWS as f64 / mat_s,
         100.0 * raw_s / mat_s,
         floor_s,
         100.0 * raw_s / floor_s,
         mat_s / floor_s,
-        cpu_us / ROWS as f64
+        cpu_us / ROWS as f64,
+        done.preparing.as_secs_f64(),
+        done.writing.as_secs_f64(),
+        done.writing.as_secs_f64() / floor_s,
     );
 }
 

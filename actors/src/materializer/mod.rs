@@ -16,7 +16,7 @@ mod model;
 mod reread;
 mod step;
 
-use crate::visibility::{CaptureReports, CatchUpMeter};
+use crate::visibility::{CaptureReports, CatchUpMeter, GroupTimes};
 use std::time::Duration;
 
 use protocol::position::Boundary;
@@ -247,7 +247,8 @@ struct Group<'g> {
 }
 
 /// One group's database transaction: its materialization (or quarantine)
-/// and the heartbeat that reports on it. The outcome and the lag after it;
+/// and the heartbeat that reports on it. The outcome, the lag after it and
+/// the time each half of the transaction took;
 /// `None`, with nothing committed, if a transaction would be quarantined
 /// after a start with another config superseded this process (ADR 0020
 /// §6): what an older model cannot read is the newer one's to materialize.
@@ -259,9 +260,11 @@ async fn commit_group<S: Store>(
     durable_end: Lsn,
     drained: bool,
     source_end: Lsn,
-) -> Result<Option<(step::GroupOutcome, u64)>, StoreError> {
+) -> Result<Option<(step::GroupOutcome, u64, GroupTimes)>, StoreError> {
+    let began = Instant::now();
     let mut tx = store.begin().await?;
     let mut outcome = step::materialize_group(&mut tx, model, group.transactions).await?;
+    let prepared = Instant::now();
     if outcome.problem.is_some() && superseded(model, &tx.rematerializations().await?) {
         return Ok(None);
     }
@@ -296,7 +299,11 @@ async fn commit_group<S: Store>(
     })
     .await?;
     tx.commit().await?;
-    Ok(Some((outcome, lag)))
+    let times = GroupTimes {
+        preparing: prepared - began,
+        writing: prepared.elapsed(),
+    };
+    Ok(Some((outcome, lag, times)))
 }
 
 /// Materializes from `feed` until the store fails or a transaction is quarantined.
@@ -512,7 +519,7 @@ async fn lead<S: Store>(
         // durable progress shows it did not commit; anything else (or a
         // commit whose answer was lost) reopens the feed from durable progress.
         let mut attempts = 1;
-        let (outcome, lag) = loop {
+        let (outcome, lag, times) = loop {
             let source_end = feed.source_end();
             let failure = match commit_group(
                 store,
@@ -546,7 +553,8 @@ async fn lead<S: Store>(
         };
         if let Some(m) = &outcome.combined {
             assert!(m.end_lsn > durable_end, "progress only moves forward");
-            reports.committed(group.len(), group.iter().map(|t| t.events.len()).sum());
+            let rows = group.iter().map(|t| t.events.len()).sum();
+            reports.committed(group.len(), rows, times);
             assert!(
                 match boundary {
                     Boundary::GenerationStart => true,
