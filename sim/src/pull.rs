@@ -891,7 +891,12 @@ async fn client_main(
         // a record to lose.)
         let seeded =
             matches!(c.mutant, Some(Mutant::DropRecord | Mutant::DropChange)) && p == pulls / 2 - 1;
-        if seeded || thread_rng().gen_bool(0.1) {
+        // (The run shows that the standby accepts pushes: its clients push
+        // at every pull of the second half until one is accepted.)
+        let owes_push = server == crate::STANDBY
+            && p >= pulls / 2
+            && !(trace.lock().expect("trace").accepted.iter()).any(|(id, _)| *id == c.client_id);
+        if seeded || owes_push || thread_rng().gen_bool(0.1) {
             push_one(&mut c, &schema, index, p, &trace).await;
         }
         // Now and then a scope's local state is lost (a wiped cache): it is
