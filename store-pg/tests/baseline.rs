@@ -245,3 +245,49 @@ async fn caught_up<S: Store>(store: &S, lsn: u64) {
     }
     panic!("capture did not reach {lsn}");
 }
+
+/// A chunk is computed while the one before it writes (ADR 0036), but not
+/// after a chunk that writes dependency rows: those decide its rows'
+/// membership, and it could not read them before they commit. Here every
+/// share is in the baseline's first chunk (dependency relations are read
+/// first), and the notes they share follow in the later chunks.
+#[tokio::test]
+async fn chunks_after_dependency_rows_see_them() {
+    const SHARED_NOTES: i64 = 8_000;
+    let cluster = PgCluster::temp().unwrap();
+    let store = example_store(&cluster, "after_shares").await;
+    let pool = store.pool().clone();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO public.notes (id, owner_id, title) \
+         SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(g), 12, '0'))::uuid, \
+                'user-' || (g % {USERS}), 'note ' || g \
+         FROM generate_series(1, {SHARED_NOTES}) g; \
+         INSERT INTO public.note_shares (note_id, team_id) \
+         SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(g), 12, '0'))::uuid, 'team-0' \
+         FROM generate_series(20, {SHARED_NOTES}, 20) g; \
+         INSERT INTO public.team_members (user_id, team_id) VALUES ('user-0', 'team-0');"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let engine = Engine::start(store.clone(), push_config()).await.unwrap();
+    for _ in 0..12_000 {
+        let done: Option<bool> =
+            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
+                .fetch_optional(&pool)
+                .await
+                .unwrap();
+        if done == Some(true) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let node = Node::from(&engine);
+    let mut c = PullClient::connect(&store, &node, "user-0", "client-0").await;
+    c.sync(1000).await;
+    assert_eq!(
+        c.replica.scopes["team:team-0"].rows.len() as i64,
+        SHARED_NOTES / 20,
+        "every shared note is in the team's scope"
+    );
+}

@@ -16,8 +16,8 @@ use tokio::time::{Duration, Instant};
 
 use super::{CaptureStatus, Model, step};
 use crate::capture::{
-    BASELINE_CHUNK_ROWS, Baseline, CaptureProblem, ChangeFeed, Lsn, Rematerialization,
-    SourceTransaction,
+    BASELINE_CHUNK_ROWS, Baseline, CaptureProblem, ChangeFeed, Lsn, Materialization,
+    Rematerialization, SourceTransaction,
 };
 use crate::store::{Store, StoreError, StoreTx};
 
@@ -175,9 +175,12 @@ pub(super) async fn materialize<S: Store>(
         tx.complete_baseline(&baseline.covered_fences).await?;
         tx.commit().await?;
     }
+    // The next chunk, computed while the one before it wrote.
+    let mut ahead: Option<Prepared<S::Tx>> = None;
     while let Some(chunk) = next {
         if index > 0 && began.elapsed() >= snapshot_limit {
             // Long enough under one snapshot: the rest is re-read.
+            drop(ahead); // its transaction holds nothing written
             feed.end_baseline().await;
             hand_over(store).await?;
             let records = records.records.into_values().collect();
@@ -203,8 +206,10 @@ pub(super) async fn materialize<S: Store>(
                 "the baseline holds more rows than it announced".into(),
             ));
         }
-        let mut tx = store.begin().await?;
-        let outcome = step::materialize_baseline_chunk(&mut tx, model, &chunk).await?;
+        let Prepared { tx, outcome } = match ahead.take() {
+            Some(prepared) => prepared,
+            None => prepare(store, model, &chunk).await?,
+        };
         if let Some((commit_lsn, problem)) = outcome.problem {
             drop(tx); // rolls this chunk back; those before it stay
             return Ok(BaselineOutcome::Quarantined {
@@ -222,30 +227,33 @@ pub(super) async fn materialize<S: Store>(
             // read, here or by the re-reads a crash hands them to.
             m.fences.extend(&baseline.covered_fences);
         }
-        tx.materialize(&m).await?;
         let mut moved = records.read(&chunk)?;
         if index == 0 {
             // From the first commit on, every relation is owed until read.
             moved = records.records.values().cloned().collect();
         }
-        tx.put_rematerializations(&moved).await?;
-        tx.record_baseline_chunk(index).await?;
-        if following.is_none() {
-            if progress.staged != progress.total {
+        let last = match following {
+            Some(_) => None,
+            None if progress.staged != progress.total => {
                 return Err(StoreError::Integrity(
                     "the baseline holds fewer rows than it announced".into(),
                 ));
             }
-            tx.put_rematerializations(&records.finish()).await?;
-            tx.complete_baseline(&[]).await?;
-            // Durable before any client reads it: this flush takes every
-            // chunk before it along.
-            tx.commit().await?;
+            None => Some(records.finish()),
+        };
+        // The next chunk reads only the dependency rows its `via` rules
+        // join (its own rows were never materialized): it computes while
+        // this one writes, unless this one writes dependency rows, which
+        // it could not see before they commit (ADR 0036).
+        let independent = m.put_dependencies.is_empty() && m.removed_dependencies.is_empty();
+        let writing = tokio::spawn(write(tx, m, moved, index, last));
+        if let Some(f) = following.as_ref().filter(|_| independent) {
+            // A failure of either is reported once the write is known.
+            let prepared = prepare(store, model, f).await;
+            written(writing).await?;
+            ahead = Some(prepared?);
         } else {
-            // Nothing of a chunk is served before the last one commits, and
-            // a chunk a crash lost is re-read: its commit need not wait for
-            // its flush.
-            tx.commit_lazily().await?;
+            written(writing).await?;
         }
         index += 1;
         boundary = Boundary::TransactionEnd {
@@ -260,6 +268,7 @@ pub(super) async fn materialize<S: Store>(
         }
         next = following;
     }
+    assert!(ahead.is_none(), "no chunk is computed past the last one");
     if progress.staged != progress.total {
         return Err(StoreError::Integrity(
             "the baseline holds fewer rows than it announced".into(),
@@ -275,6 +284,65 @@ pub(super) async fn materialize<S: Store>(
         end_lsn,
         records: records.finish(),
     })
+}
+
+/// A chunk computed in its own store transaction, not yet written.
+struct Prepared<T> {
+    tx: T,
+    outcome: step::GroupOutcome,
+}
+
+/// Opens a chunk's transaction and computes its writes.
+async fn prepare<S: Store>(
+    store: &S,
+    model: &Model,
+    chunk: &SourceTransaction,
+) -> Result<Prepared<S::Tx>, StoreError> {
+    let mut tx = store.begin().await?;
+    let outcome = step::materialize_baseline_chunk(&mut tx, model, chunk).await?;
+    Ok(Prepared { tx, outcome })
+}
+
+/// Writes a chunk, the records it moved and its index, and commits; the
+/// last chunk (`finished`: every record released) completes the baseline.
+/// It runs as a task of its own, so that the next chunk computes meanwhile,
+/// and frees the chunk's writes there too.
+async fn write<T: StoreTx>(
+    mut tx: T,
+    m: Materialization,
+    moved: Vec<Rematerialization>,
+    index: u64,
+    finished: Option<Vec<Rematerialization>>,
+) -> Result<(), StoreError> {
+    tx.materialize(&m).await?;
+    tx.put_rematerializations(&moved).await?;
+    tx.record_baseline_chunk(index).await?;
+    match finished {
+        Some(records) => {
+            tx.put_rematerializations(&records).await?;
+            tx.complete_baseline(&[]).await?;
+            // Durable before any client reads it: this flush takes every
+            // chunk before it along.
+            tx.commit().await
+        }
+        // Nothing of a chunk is served before the last one commits, and a
+        // chunk a crash lost is re-read: its commit need not wait for its
+        // flush.
+        None => tx.commit_lazily().await,
+    }
+}
+
+/// The outcome of a chunk's write task. A panic there (a broken
+/// invariant) goes on here; the simulator's runtime stops on it itself.
+async fn written(task: tokio::task::JoinHandle<Result<(), StoreError>>) -> Result<(), StoreError> {
+    match task.await {
+        Ok(done) => done,
+        #[cfg(not(madsim))]
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(StoreError::Unavailable(format!(
+            "a baseline chunk's write stopped: {e}"
+        ))),
+    }
 }
 
 fn report(p: &BaselineProgress) {
