@@ -132,17 +132,7 @@ async fn an_existing_database_is_adopted_while_the_application_writes() {
     let writer = tokio::spawn(application(pool.clone(), stop.clone()));
     let engine = Engine::start(store.clone(), push_config()).await.unwrap();
     // Until the baseline is materialized, and a little after it.
-    for _ in 0..12_000 {
-        let done: Option<bool> =
-            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        if done == Some(true) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    baseline_done(&pool).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap();
@@ -231,6 +221,21 @@ async fn an_existing_database_is_adopted_while_the_application_writes() {
     }
 }
 
+/// Waits (up to two minutes) until the baseline is materialized.
+async fn baseline_done(pool: &PgPool) {
+    for _ in 0..12_000 {
+        let done: Option<bool> =
+            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
+                .fetch_optional(pool)
+                .await
+                .unwrap();
+        if done == Some(true) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 async fn caught_up<S: Store>(store: &S, lsn: u64) {
     for _ in 0..6000 {
         let mut tx = store.begin().await.unwrap();
@@ -271,17 +276,7 @@ async fn chunks_after_dependency_rows_see_them() {
     .await
     .unwrap();
     let engine = Engine::start(store.clone(), push_config()).await.unwrap();
-    for _ in 0..12_000 {
-        let done: Option<bool> =
-            sqlx::query_scalar("SELECT baseline_done FROM synchro.capture_slot")
-                .fetch_optional(&pool)
-                .await
-                .unwrap();
-        if done == Some(true) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    baseline_done(&pool).await;
     let node = Node::from(&engine);
     let mut c = PullClient::connect(&store, &node, "user-0", "client-0").await;
     c.sync(1000).await;
