@@ -84,7 +84,7 @@ pub struct Materialized {
 /// The two halves of one group's database transaction: the materializer
 /// computes while its backend waits, then the backend writes while it
 /// waits (docs/PERFORMANCE.md).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct GroupTimes {
     pub preparing: Duration,
     pub writing: Duration,

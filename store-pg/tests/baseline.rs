@@ -234,6 +234,7 @@ async fn baseline_done(pool: &PgPool) {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    panic!("the baseline was not materialized in two minutes");
 }
 
 async fn caught_up<S: Store>(store: &S, lsn: u64) {
