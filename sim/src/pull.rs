@@ -874,14 +874,15 @@ async fn client_main(
     // A damaged copy is caught by the same check a planted bug trips, so
     // the bug's client keeps its copy intact.
     let damages = mutant.is_none();
-    // The cross-generation bug needs a page after the reset, which waits
-    // for every client's first page and can come late when capture
-    // stalls: its client pulls on, up to four times as often, until the
-    // bug has fired.
+    // A planted bug needs a page it can break (the cross-generation bug, a
+    // page after the reset, which waits for every client's first page; the
+    // cursor-moving bug, an effect past a page's cursor), and such a page
+    // can come late when capture stalls: the bug's client pulls on, up to
+    // four times as often, until the bug has fired.
     let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
-    let more = |p: usize| {
-        p < pulls || (keeps_cursors && p < 4 * pulls && !trace.lock().expect("trace").mutated)
-    };
+    let planted = c.mutant.is_some();
+    let more =
+        |p: usize| p < pulls || (planted && p < 4 * pulls && !trace.lock().expect("trace").mutated);
     let mut p = 0;
     while more(p) {
         if caught(&trace) {
