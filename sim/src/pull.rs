@@ -880,9 +880,9 @@ async fn client_main(
     // can come late when capture stalls: the bug's client pulls on, up to
     // four times as often, until the bug has fired.
     let keeps_cursors = c.mutant == Some(Mutant::CrossGeneration);
-    let planted = c.mutant.is_some();
-    let more =
-        |p: usize| p < pulls || (planted && p < 4 * pulls && !trace.lock().expect("trace").mutated);
+    let more = |p: usize| {
+        p < pulls || (mutant.is_some() && p < 4 * pulls && !trace.lock().expect("trace").mutated)
+    };
     let mut p = 0;
     while more(p) {
         if caught(&trace) {
