@@ -92,16 +92,20 @@ async fn insert_notes(store: &PgStore, owner: &str, from: usize, n: usize) -> u6
     .await
 }
 
-/// The plain SQL read of a scope's effect rows, 1000 per keyset query.
+/// The plain SQL read of a scope's effect rows with the rows they serve
+/// (their projections', ADR 0037), 1000 per keyset query.
 async fn raw_read(store: &PgStore, scope: &str) -> (Duration, usize) {
     let start = Instant::now();
     let mut after = (-1i64, 0i64, 0i64);
     let mut n = 0;
     loop {
         let rows = sqlx::query(
-            "SELECT * FROM synchro.scope_effects WHERE scope_id = $1 \
-             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
-             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT 1000",
+            "SELECT e.*, p.row_json, p.version AS row_version, p.digest, p.schema_version \
+             FROM synchro.scope_effects e LEFT JOIN synchro.projections p \
+             ON e.op <> 1 AND p.table_id = e.table_id AND p.identity = e.identity \
+             WHERE e.scope_id = $1 \
+             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) > ($2, $3, $4) \
+             ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT 1000",
         )
         .bind(scope)
         .bind(after.0)

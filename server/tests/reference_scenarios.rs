@@ -484,7 +484,9 @@ async fn a_damaged_row_is_never_served(server: &Server, pool: &PgPool) {
     .execute(pool)
     .await
     .unwrap();
-    let effect = "SELECT row_json FROM synchro.scope_effects WHERE scope_id = 'user:bob' AND key_json = '\"bob-2\"'";
+    // The effect serves its row's projection (ADR 0037): the damage is there.
+    let effect = "SELECT p.row_json FROM synchro.scope_effects e JOIN synchro.projections p \
+                  USING (table_id, identity) WHERE e.scope_id = 'user:bob' AND e.key_json = '\"bob-2\"'";
     let start = Instant::now();
     let intact: String = loop {
         if let Some(text) = sqlx::query_scalar(effect)
@@ -500,7 +502,9 @@ async fn a_damaged_row_is_never_served(server: &Server, pool: &PgPool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let damage = "UPDATE synchro.scope_effects SET row_json = $1 WHERE scope_id = 'user:bob' AND key_json = '\"bob-2\"'";
+    let damage = "UPDATE synchro.projections p SET row_json = $1 FROM synchro.scope_effects e \
+                  WHERE e.scope_id = 'user:bob' AND e.key_json = '\"bob-2\"' \
+                  AND p.table_id = e.table_id AND p.identity = e.identity";
     let damaged = intact.replacen("\"second\"", "", 1);
     assert_ne!(damaged, intact);
     sqlx::query(damage)

@@ -162,6 +162,23 @@ async fn throughput(cluster: &PgCluster, db: &str, rows_per_tx: usize) {
     assert_eq!(effects as usize, ROWS + 1, "one effect per inserted row");
     let done = engine.materialized();
     drop(engine);
+    let (effects_b, projections_b, members_b, notes_b): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT pg_total_relation_size('synchro.scope_effects'), \
+         pg_total_relation_size('synchro.projections'), \
+         pg_total_relation_size('synchro.scope_members'), pg_total_relation_size('public.notes')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    println!(
+        "stored, with indexes: effects {:.1} MB ({} bytes a row), projections {:.1} MB, \
+         members {:.1} MB; the notes themselves {:.1} MB",
+        effects_b as f64 / 1e6,
+        effects_b / ROWS as i64,
+        projections_b as f64 / 1e6,
+        members_b as f64 / 1e6,
+        notes_b as f64 / 1e6,
+    );
     let floor_s = write_floor(&pool, &OUTPUT).await.as_secs_f64();
     println!(
         "{txs} transactions of {rows_per_tx} row(s): raw decoding {:>8.0} rows/s; materialized {:>8.0} rows/s ({:.0}% of raw); \

@@ -92,41 +92,50 @@ pub(crate) fn identity_digest(r: &PgRow) -> Result<(RowIdentity, Digest), StoreE
     Ok((RowIdentity::from_bytes(identity), digest(d)?))
 }
 
-/// The columns [`effect`] reads, in its order.
-pub(crate) const EFFECT_COLUMNS: &str = "scope_id, commit_lsn, event_ordinal, effect_ordinal, \
-     table_id, identity, key_json, op, row_json, version, digest, schema_version";
+/// The columns [`effect`] reads, in its order, from [`EFFECTS_WITH_ROWS`]:
+/// an upsert's or tombstone's row, version and digest are its projection's
+/// (ADR 0037), a removal's version its own.
+pub(crate) const EFFECT_COLUMNS: &str = "e.scope_id, e.commit_lsn, e.event_ordinal, \
+     e.effect_ordinal, e.table_id, e.identity, e.key_json, e.op, p.row_json, \
+     CASE WHEN e.op = 1 THEN e.version ELSE p.version END, p.digest, p.schema_version, p.tombstone";
+
+/// The scope effects `e`, each beside its row's projection `p` when it
+/// carries a row.
+pub(crate) const EFFECTS_WITH_ROWS: &str = "synchro.scope_effects e \
+     LEFT JOIN synchro.projections p \
+     ON e.op <> 1 AND p.table_id = e.table_id AND p.identity = e.identity";
+
+/// A stored effect's `op`: what a scope's client must do for the row.
+const OP_UPSERT: i16 = 0;
+const OP_REMOVE: i16 = 1;
+const OP_TOMBSTONE: i16 = 2;
 
 /// An effect read with [`EFFECT_COLUMNS`] (by position: a page reads a
 /// thousand of them).
 pub(crate) fn effect(r: &PgRow) -> Result<Effect, StoreError> {
     let get = |e: sqlx::Error| db_error(e);
     let version_text: Option<&str> = r.try_get(9).map_err(get)?;
-    let row_json: Option<String> = r.try_get(8).map_err(get)?;
-    let captured = match row_json {
-        None => None,
-        Some(row) => Some(CapturedRow {
+    let version = version(version_text.ok_or_else(|| integrity("an effect without its version"))?)?;
+    let op: i16 = r.try_get(7).map_err(get)?;
+    let captured = |tombstone: bool| -> Result<CapturedRow, StoreError> {
+        let row: Option<String> = r.try_get(8).map_err(get)?;
+        let row = row.ok_or_else(|| integrity("an effect without its row's projection"))?;
+        if r.try_get::<bool, _>(12).map_err(get)? != tombstone {
+            return Err(integrity(
+                "a tombstone effect of a row that is none, or the reverse",
+            ));
+        }
+        Ok(CapturedRow {
             row,
-            version: version(version_text.ok_or_else(|| integrity("effect version"))?)?,
-            digest: digest(
-                r.try_get::<Option<&[u8]>, _>(10)
-                    .map_err(get)?
-                    .ok_or_else(|| integrity("effect digest"))?,
-            )?,
-            schema_version: r
-                .try_get::<Option<i64>, _>(11)
-                .map_err(get)?
-                .map(to_u64)
-                .transpose()?,
-        }),
+            version: version.clone(),
+            digest: digest(r.try_get(10).map_err(get)?)?,
+            schema_version: Some(to_u64(r.try_get(11).map_err(get)?)?),
+        })
     };
-    let op = match (r.try_get::<i16, _>(7).map_err(get)?, captured) {
-        (0, Some(c)) => EffectOp::Upsert(c),
-        (1, Some(c)) => EffectOp::Tombstone(c),
-        // A delete without a row still has its version (not one made before
-        // migration 0006, whose deletes had none).
-        (1, None) => EffectOp::Remove(version(
-            version_text.ok_or_else(|| integrity("a delete effect without its version"))?,
-        )?),
+    let op = match op {
+        OP_UPSERT => EffectOp::Upsert(captured(false)?),
+        OP_TOMBSTONE => EffectOp::Tombstone(captured(true)?),
+        OP_REMOVE => EffectOp::Remove(version.clone()),
         _ => return Err(integrity("effect op")),
     };
     let scope: &str = r.try_get(0).map_err(get)?;
@@ -743,7 +752,6 @@ impl PgTx {
             }
             let mut e: Vec<&Effect> = last.into_values().collect();
             e.sort_by_key(|e| (e.scope.as_str(), e.position()));
-            let rows: Vec<Option<&CapturedRow>> = e.iter().map(|e| e.op.row()).collect();
             let positions = e
                 .iter()
                 .map(|e| {
@@ -756,18 +764,18 @@ impl PgTx {
                 .collect::<Result<Vec<_>, StoreError>>()?;
             // The replaced effect must be earlier. A later one stored means
             // the materialization is out of order: the update skips the row,
-            // and the count below refuses the whole.
+            // and the count below refuses the whole. A row's content is its
+            // projection's, written beside (ADR 0037); only a removal keeps
+            // a version of its own.
             let written = sqlx::query(
                 "INSERT INTO synchro.scope_effects AS e (scope_id, commit_lsn, event_ordinal, \
-                 effect_ordinal, table_id, identity, key_json, op, row_json, version, digest, \
-                 schema_version) \
+                 effect_ordinal, table_id, identity, key_json, op, version) \
                  SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int8[], $4::int8[], $5::text[], \
-                 $6::bytea[], $7::text[], $8::int2[], $9::text[], $10::text[], $11::bytea[], $12::int8[]) \
+                 $6::bytea[], $7::text[], $8::int2[], $9::text[]) \
                  ON CONFLICT (scope_id, table_id, identity) DO UPDATE SET \
                  commit_lsn = EXCLUDED.commit_lsn, event_ordinal = EXCLUDED.event_ordinal, \
                  effect_ordinal = EXCLUDED.effect_ordinal, key_json = EXCLUDED.key_json, \
-                 op = EXCLUDED.op, row_json = EXCLUDED.row_json, version = EXCLUDED.version, \
-                 digest = EXCLUDED.digest, schema_version = EXCLUDED.schema_version \
+                 op = EXCLUDED.op, version = EXCLUDED.version \
                  WHERE (e.commit_lsn, e.event_ordinal, e.effect_ordinal) \
                  < (EXCLUDED.commit_lsn, EXCLUDED.event_ordinal, EXCLUDED.effect_ordinal)",
             )
@@ -777,22 +785,27 @@ impl PgTx {
             .bind(positions.iter().map(|p| p.2).collect::<Vec<_>>())
             .bind(e.iter().map(|e| e.table_id.as_str()).collect::<Vec<_>>())
             .bind(e.iter().map(|e| e.identity.as_bytes()).collect::<Vec<_>>())
-            .bind(e.iter().map(|e| json::to_canonical_string(&e.key)).collect::<Vec<_>>())
+            .bind(
+                e.iter()
+                    .map(|e| json::to_canonical_string(&e.key))
+                    .collect::<Vec<_>>(),
+            )
             .bind(
                 e.iter()
                     .map(|e| match e.op {
-                        EffectOp::Upsert(_) => 0i16,
-                        EffectOp::Tombstone(_) | EffectOp::Remove(_) => 1,
+                        EffectOp::Upsert(_) => OP_UPSERT,
+                        EffectOp::Remove(_) => OP_REMOVE,
+                        EffectOp::Tombstone(_) => OP_TOMBSTONE,
                     })
                     .collect::<Vec<_>>(),
             )
-            .bind(rows.iter().map(|r| r.map(|c| c.row.as_str())).collect::<Vec<_>>())
-            .bind(e.iter().map(|e| e.op.version().as_str()).collect::<Vec<_>>())
-            .bind(rows.iter().map(|r| r.map(|c| c.digest.0.to_vec())).collect::<Vec<_>>())
             .bind(
-                rows.iter()
-                    .map(|r| r.and_then(|c| c.schema_version).map(to_i64).transpose())
-                    .collect::<Result<Vec<_>, _>>()?,
+                e.iter()
+                    .map(|e| match &e.op {
+                        EffectOp::Remove(v) => Some(v.as_str()),
+                        EffectOp::Upsert(_) | EffectOp::Tombstone(_) => None,
+                    })
+                    .collect::<Vec<_>>(),
             )
             .execute(&mut *tx)
             .await
@@ -907,10 +920,10 @@ impl PgTx {
         let a = bounds(after)?;
         let t = bounds(StreamPosition::from(through))?;
         sqlx::query(&format!(
-            "SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 \
-             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
-             AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
-             ORDER BY commit_lsn, event_ordinal, effect_ordinal"
+            "SELECT {EFFECT_COLUMNS} FROM {EFFECTS_WITH_ROWS} WHERE e.scope_id = $1 \
+             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) > ($2, $3, $4) \
+             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) <= ($5, $6, $7) \
+             ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal"
         ))
         .bind(scope.as_str())
         .bind(a.0)

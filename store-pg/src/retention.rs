@@ -73,7 +73,7 @@ impl PgTx {
             "DELETE FROM synchro.scope_effects d USING ( \
                SELECT e.scope_id, e.commit_lsn, e.event_ordinal, e.effect_ordinal \
                FROM synchro.scope_effects e, synchro.stream f \
-               WHERE e.op = 1 \
+               WHERE e.op <> 0 \
                  AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) \
                    <= (f.floor_lsn, f.floor_event, f.floor_effect) \
                  AND EXISTS (SELECT 1 FROM synchro.scope_effects l WHERE l.scope_id = e.scope_id \

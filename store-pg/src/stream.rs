@@ -14,7 +14,9 @@ use protocol::token::{KeyState, TokenKey, TokenKind};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use crate::materialized::{EFFECT_COLUMNS, assert_effect_window, bounds, effect};
+use crate::materialized::{
+    EFFECT_COLUMNS, EFFECTS_WITH_ROWS, assert_effect_window, bounds, effect,
+};
 use crate::sql::{to_i64, to_u64};
 use crate::{PgTx, db_error};
 
@@ -334,10 +336,10 @@ impl PgTx {
         // effect in a scope (a unique index; the materializer replaces what
         // it supersedes, ADR 0034), and nothing past `through`.
         sqlx::query(&format!(
-            "SELECT {EFFECT_COLUMNS} FROM synchro.scope_effects WHERE scope_id = $1 \
-             AND (commit_lsn, event_ordinal, effect_ordinal) > ($2, $3, $4) \
-             AND (commit_lsn, event_ordinal, effect_ordinal) <= ($5, $6, $7) \
-             ORDER BY commit_lsn, event_ordinal, effect_ordinal LIMIT $8"
+            "SELECT {EFFECT_COLUMNS} FROM {EFFECTS_WITH_ROWS} WHERE e.scope_id = $1 \
+             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) > ($2, $3, $4) \
+             AND (e.commit_lsn, e.event_ordinal, e.effect_ordinal) <= ($5, $6, $7) \
+             ORDER BY e.commit_lsn, e.event_ordinal, e.effect_ordinal LIMIT $8"
         ))
         .bind(scope.as_str())
         .bind(a.0)

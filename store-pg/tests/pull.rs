@@ -81,10 +81,16 @@ async fn an_unrepresentable_row_is_an_integrity_failure() {
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    sqlx::query("UPDATE synchro.scope_effects SET row_json = '{\"fld_notes_id\":1}', schema_version = NULL WHERE scope_id = 'user:iu'")
-        .execute(world.store.pool())
-        .await
-        .unwrap();
+    // The effect serves its projection's row (ADR 0037); an older schema
+    // version makes pull judge the row under the current manifest.
+    sqlx::query(
+        "UPDATE synchro.projections p SET row_json = '{\"fld_notes_id\":1}', schema_version = 0 \
+         FROM synchro.scope_effects e \
+         WHERE e.scope_id = 'user:iu' AND p.table_id = e.table_id AND p.identity = e.identity",
+    )
+    .execute(world.store.pool())
+    .await
+    .unwrap();
     let (s, v, _) = c.send(c.body(10)).await;
     assert_eq!(s, 500, "{v:?}");
     assert_eq!(

@@ -1226,7 +1226,9 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     use protocol::position::Boundary;
     use protocol::value::TypedValue;
 
-    use crate::capture::{CapturedRow, Effect, EffectOp, Materialization, MaterializedTransaction};
+    use crate::capture::{
+        CapturedRow, Effect, EffectOp, Materialization, MaterializedTransaction, Projection,
+    };
     use crate::store::StoreError;
     use crate::stream::{MembershipRules, StreamState};
 
@@ -1427,6 +1429,19 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         key: Value::int(i64::from(k)),
         op: EffectOp::Upsert(row.clone()),
     };
+    // An effect's row is its row's projection (ADR 0037): each is written
+    // with one.
+    let projection = |k: i32| Projection {
+        table_id: "t".into(),
+        identity: identity(k),
+        key: k.to_string(),
+        row: Value::Object(BTreeMap::new()),
+        version: ServerVersion::parse("v").unwrap(),
+        digest: Digest([1; 32]),
+        schema_version: 1,
+        tombstone: false,
+        scopes: Default::default(), // membership is not what this reads
+    };
     let through = |lsn| Boundary::TransactionEnd { commit_lsn: lsn };
     let start = StreamPosition::GenerationStart;
     for (lsn, k) in [(100, 1), (200, 2), (300, 1)] {
@@ -1449,6 +1464,8 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
                 row_events: 1,
             }],
             effects: vec![effect(lsn, k)],
+            new_projections: (lsn != 300).then(|| projection(k)).into_iter().collect(),
+            put_projections: (lsn == 300).then(|| projection(k)).into_iter().collect(),
             stream_generation: 1, // a fresh store's
             ..Materialization::default()
         };
@@ -1530,6 +1547,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             })
             .to_vec(),
         effects: vec![effect(400, 1), effect(500, 1)],
+        put_projections: vec![projection(1)],
         stream_generation: 1, // a fresh store's
         ..Materialization::default()
     };
@@ -1546,6 +1564,54 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         [effect(200, 2), effect(500, 1)],
         "within one materialization"
     );
+    drop(tx);
+    // A row projected again under a newer manifest, its content and scopes
+    // the same, gets no effect: its effect serves the projection's digest
+    // and schema version from then on.
+    let reprojected = Projection {
+        digest: Digest([2; 32]),
+        schema_version: 2,
+        ..projection(2)
+    };
+    let m = Materialization {
+        commit_lsn: 600,
+        end_lsn: 608,
+        transactions: vec![MaterializedTransaction {
+            commit_lsn: 600,
+            end_lsn: 608,
+            row_events: 0,
+        }],
+        put_projections: vec![reprojected],
+        stream_generation: 1, // a fresh store's
+        ..Materialization::default()
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(&m).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let served = EffectOp::Upsert(CapturedRow {
+        digest: Digest([2; 32]),
+        schema_version: Some(2),
+        ..row.clone()
+    });
+    for c in [
+        tx.scope_candidates(&s1, start, through(600), 10)
+            .await
+            .unwrap(),
+        tx.scope_effects(&s1, start, through(600)).await.unwrap(),
+    ] {
+        assert_eq!(
+            c,
+            [
+                Effect {
+                    op: served.clone(),
+                    ..effect(200, 2)
+                },
+                effect(500, 1)
+            ],
+            "an effect serves its row's projection"
+        );
+    }
 }
 
 /// Connect's same-position current-schema replacement: after a Class 2

@@ -946,7 +946,7 @@ impl MemTx {
         after: StreamPosition,
         through: Boundary,
         max: usize,
-    ) -> Vec<Effect> {
+    ) -> Result<Vec<Effect>, StoreError> {
         let effects: Vec<&Effect> = self
             .work
             .capture
@@ -977,8 +977,44 @@ impl MemTx {
             .into_iter()
             .filter(|e| last.get(&(e.table_id.as_str(), &e.identity)) == Some(&e.position()))
             .take(max)
-            .cloned()
+            .map(|e| self.served(e))
             .collect()
+    }
+
+    /// An effect as a store serves it: an upsert's or tombstone's row is
+    /// its row's projection (ADR 0037), which holds the row the effect was
+    /// written with (every change of a row's content or version writes an
+    /// effect in each of its scopes), and the digest under the manifest it
+    /// was last projected with.
+    fn served(&self, e: &Effect) -> Result<Effect, StoreError> {
+        let mut e = e.clone();
+        let p = self
+            .work
+            .capture
+            .projections
+            .get(&(e.table_id.clone(), e.identity.clone()));
+        let tombstone = matches!(e.op, EffectOp::Tombstone(_));
+        if let EffectOp::Upsert(c) | EffectOp::Tombstone(c) = &mut e.op {
+            let p = p.ok_or_else(|| {
+                StoreError::Integrity("an effect without its row's projection".into())
+            })?;
+            assert_eq!(
+                c.row,
+                protocol::json::to_canonical_string(&p.row),
+                "an effect's row is its projection's"
+            );
+            assert_eq!(
+                c.version, p.version,
+                "an effect's version is its projection's"
+            );
+            assert_eq!(
+                tombstone, p.tombstone,
+                "a tombstone effect's row is a tombstone"
+            );
+            c.digest = p.digest;
+            c.schema_version = Some(p.schema_version);
+        }
+        Ok(e)
     }
 
     /// Deletes at most `max` deletions and removals at or below `floor`
@@ -1048,8 +1084,11 @@ impl MemTx {
         scope: &ScopeId,
         after: StreamPosition,
         through: Boundary,
-    ) -> Vec<Effect> {
+    ) -> Result<Vec<Effect>, StoreError> {
         effects_between(&self.work.capture.effects, scope, after, through)
+            .iter()
+            .map(|e| self.served(e))
+            .collect()
     }
 }
 

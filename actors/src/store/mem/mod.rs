@@ -937,7 +937,7 @@ impl StoreTx for MemTx {
         through: Boundary,
         max: usize,
     ) -> Result<Vec<Effect>, StoreError> {
-        Ok(MemTx::scope_candidates(self, scope, after, through, max))
+        MemTx::scope_candidates(self, scope, after, through, max)
     }
 
     async fn last_effect_before(
@@ -954,7 +954,7 @@ impl StoreTx for MemTx {
         after: StreamPosition,
         through: Boundary,
     ) -> Result<Vec<Effect>, StoreError> {
-        Ok(MemTx::scope_effects(self, scope, after, through))
+        MemTx::scope_effects(self, scope, after, through)
     }
 
     async fn rebuild_session(
