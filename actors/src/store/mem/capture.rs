@@ -113,6 +113,11 @@ pub(super) struct CaptureState {
     pub fences_done: BTreeSet<u64>,
     /// Fences of writes accepted from a client, until materialized: fence -> client.
     pub pending_fences: BTreeMap<u64, String>,
+    /// Pending fences committed but not yet visible (a commit decoded
+    /// before it is visible, ADR 0014): fence -> (client, its commit, when
+    /// it becomes visible at the latest). State of the database, so a
+    /// crash of the committing server loses none.
+    unseen_fences: BTreeMap<u64, (String, Lsn, tokio::time::Instant)>,
     /// Client fences a materialization satisfied before their pending
     /// fence was visible to it, until reconciled (ADR 0014).
     pub satisfied_fences: BTreeSet<u64>,
@@ -187,6 +192,7 @@ impl CaptureState {
             materialized: BTreeMap::new(),
             fences_done: BTreeSet::new(),
             pending_fences: BTreeMap::new(),
+            unseen_fences: BTreeMap::new(),
             satisfied_fences: BTreeSet::new(),
             fences_by_visibility: false,
             writer: None,
@@ -401,6 +407,42 @@ impl CaptureState {
     /// The commit LSN of the newest committed source transaction (0 before any).
     pub fn last_commit_lsn(&self) -> Lsn {
         self.last_commit
+    }
+
+    /// Hides the pending fences the last commit wrote until capture has
+    /// materialized it (the widest window) or `lag` has passed.
+    pub(super) fn hide_fences(&mut self, fresh: &[u64], lag: std::time::Duration) {
+        let until = tokio::time::Instant::now() + lag;
+        for f in fresh {
+            if let Some(client) = self.pending_fences.remove(f) {
+                self.unseen_fences
+                    .insert(*f, (client, self.last_commit, until));
+            }
+        }
+    }
+
+    /// Whether any of `fences` is still hidden.
+    pub(super) fn hidden(&self, fences: &[u64]) -> bool {
+        fences.iter().any(|f| self.unseen_fences.contains_key(f))
+    }
+
+    /// Makes visible every hidden pending fence whose commit capture has
+    /// materialized or whose time has come.
+    pub(super) fn reveal_fences(&mut self) {
+        let now = tokio::time::Instant::now();
+        let materialized = match self.progress.boundary {
+            Boundary::TransactionEnd { commit_lsn } => commit_lsn,
+            _ => 0,
+        };
+        let due: Vec<u64> = (self.unseen_fences.iter())
+            .filter(|(_, (_, lsn, until))| *lsn <= materialized || *until <= now)
+            .map(|(f, _)| *f)
+            .collect();
+        for f in due {
+            if let Some((client, _, _)) = self.unseen_fences.remove(&f) {
+                self.pending_fences.insert(f, client);
+            }
+        }
     }
 
     /// Moves the open transaction's WAL into the log; the new log length.

@@ -284,7 +284,8 @@ impl MemStore {
     /// The fences of writes accepted from `client_id` that are not yet
     /// materialized (pending, and not recorded satisfied).
     pub async fn pending_fences(&self, client_id: &str) -> Vec<u64> {
-        let state = self.state.lock().await;
+        let mut state = self.state.lock().await;
+        state.capture.reveal_fences();
         let c = &state.capture;
         c.pending_fences
             .iter()
@@ -425,7 +426,8 @@ impl Store for MemStore {
     type Fences = MemFenceListener;
 
     async fn begin(&self) -> Result<MemTx, StoreError> {
-        let guard = self.state.clone().lock_owned().await;
+        let mut guard = self.state.clone().lock_owned().await;
+        guard.capture.reveal_fences();
         let work = guard.clone();
         Ok(MemTx {
             guard,
@@ -1139,21 +1141,19 @@ impl StoreTx for MemTx {
             ..
         } = self;
         let lag = fence_visibility_lag_ms.load(Ordering::SeqCst);
-        let mut unseen = BTreeMap::new();
+        let mut hidden = Vec::new();
         if lag > 0 && log_len.is_some() {
             let before = &guard.capture.pending_fences;
-            let fresh: Vec<u64> = (work.capture.pending_fences.keys())
+            hidden = (work.capture.pending_fences.keys())
                 .filter(|f| !before.contains_key(f))
                 .copied()
                 .collect();
-            for f in fresh {
-                if let Some(client) = work.capture.pending_fences.remove(&f) {
-                    unseen.insert(f, client);
-                }
-            }
+            work.capture
+                .hide_fences(&hidden, std::time::Duration::from_millis(lag));
         }
         slot_lost.store(work.capture.slot_lost, Ordering::Release);
         *guard = work;
+        guard.capture.reveal_fences();
         if let Some(n) = log_len {
             sender.send_replace(n);
         }
@@ -1161,24 +1161,21 @@ impl StoreTx for MemTx {
             // No listener is no one to tell.
             let _ = reports.send(satisfied.into());
         }
-        if !unseen.is_empty() {
-            // Decoded, not yet visible: until capture has materialized this
-            // commit (the widest window), or `lag` passed.
-            let commit_lsn = guard.capture.last_commit_lsn();
+        if !hidden.is_empty() {
+            // Decoded, not yet visible: the commit returns once its fences
+            // are. Any transaction that begins reveals those that are due,
+            // so a crash of this server leaves none hidden for ever.
             let state = OwnedMutexGuard::mutex(&guard).clone();
             drop(guard);
-            let until = tokio::time::Instant::now() + std::time::Duration::from_millis(lag);
-            while tokio::time::Instant::now() < until {
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                let past = match state.lock().await.capture.progress.boundary {
-                    Boundary::TransactionEnd { commit_lsn: c } => c >= commit_lsn,
-                    _ => false,
-                };
-                if past {
+            loop {
+                let mut s = state.lock().await;
+                s.capture.reveal_fences();
+                if !s.capture.hidden(&hidden) {
                     break;
                 }
+                drop(s);
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
-            state.lock().await.capture.pending_fences.extend(unseen);
         }
         Ok(())
     }
