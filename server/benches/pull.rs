@@ -144,6 +144,10 @@ async fn main() {
     // and no compaction pass during the bench may make that cursor stale.
     config.retention.compact_interval_seconds = 86_400;
     let engine = Engine::start(store.clone(), config).await.unwrap();
+    // The notes below reach clients as changes only once the stream has
+    // begun: written before, a baseline would take them, which stores no
+    // effects (ADR 0033), and the origin cursors would miss them.
+    actors::testkit::stream_begun(&store).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let mut state = AppState::new(engine.clone(), auth, &Default::default());
