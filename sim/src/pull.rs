@@ -68,6 +68,11 @@ pub enum Mutant {
     /// The store never sees a client's fence pending: a pull right after
     /// a push is served from before the push was captured.
     UnseenFences,
+    /// The store keeps a row's earlier upsert in a scope where a later one
+    /// should replace it, while the row's projection, which pages serve
+    /// (ADR 0037), moves on: a client past the kept effect never receives
+    /// the change.
+    KeptBackReplacements,
 }
 
 /// Knobs of one pull run.
@@ -719,7 +724,10 @@ async fn mutate(
         _ => return None,
     };
     match m {
-        Mutant::DropRecord | Mutant::LivePages | Mutant::UnseenFences => return None,
+        Mutant::DropRecord
+        | Mutant::LivePages
+        | Mutant::UnseenFences
+        | Mutant::KeptBackReplacements => return None,
         Mutant::CrossGeneration => {
             let current = {
                 let mut tx = store.begin().await.ok()?;
@@ -1178,6 +1186,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     if scenario.mutant == Some(Mutant::UnseenFences) {
         store.plant_unseen_fences().await;
     }
+    if scenario.mutant == Some(Mutant::KeptBackReplacements) {
+        store.plant_replacements_kept_back().await;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let app = database.spawn(application(store.clone(), scenario.users, stop.clone()));
     let ops = database.spawn(operator(store.clone(), scenario.users, stop.clone(), None));
@@ -1277,6 +1288,9 @@ pub async fn run_pull(scenario: PullScenario) -> Result<PullTrace, String> {
     // The store's bug has its chance on every pull after an accepted push.
     if scenario.mutant == Some(Mutant::UnseenFences) {
         t.mutated = !t.accepted.is_empty();
+    }
+    if scenario.mutant == Some(Mutant::KeptBackReplacements) {
+        t.mutated = store.replacements_kept_back().await > 0;
     }
     if let Err(v) = invariants::pull::check_checkpoints(&t.checkpoints) {
         t.violations.push(v);

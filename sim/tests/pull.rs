@@ -167,6 +167,18 @@ async fn a_pull_served_before_its_own_push_is_caught() {
     .await;
 }
 
+/// ADR 0037's premise broken: a scope keeps a row's earlier upsert while
+/// the projection that pages serve moves on; a client past the kept
+/// effect never receives the change.
+#[madsim::test]
+async fn an_effect_kept_behind_its_projection_is_caught() {
+    caught(
+        Mutant::KeptBackReplacements,
+        "an_effect_kept_behind_its_projection_is_caught",
+    )
+    .await;
+}
+
 /// Mid-run the slot is lost and an operator resets the stream (ADR 0012)
 /// while clients pull, push and rebuild, the server crashes and links
 /// lose messages: every client converges to the server's projection,

@@ -95,6 +95,10 @@ pub(super) struct CaptureState {
     pub(super) cut_baseline_at: Option<u64>,
     /// A planted bug: compaction deletes an effect above the floor.
     pub(super) compact_above_floor: bool,
+    /// A planted bug: a row's upsert does not replace its earlier upsert
+    /// in a scope (the projection moves on, the effect stays behind); how
+    /// many it kept back.
+    pub(super) keep_back_replacements: Option<usize>,
     /// The open transaction's WAL.
     pending: Option<SourceTransaction>,
     pub(super) progress: CaptureProgress,
@@ -175,6 +179,7 @@ impl CaptureState {
             handover_forgets_rows: false,
             cut_baseline_at: None,
             compact_above_floor: false,
+            keep_back_replacements: None,
             pending: None,
             progress: CaptureProgress {
                 boundary: Boundary::GenerationStart,
@@ -889,6 +894,19 @@ impl MemTx {
             journal_baseline(&mut c.journal, manifest, m)?;
         }
         for e in &m.effects {
+            let row = (e.scope.clone(), e.table_id.clone(), e.identity.clone());
+            if let Some(kept) = c.keep_back_replacements.as_mut() {
+                let earlier =
+                    (c.latest_effect.get(&row)).and_then(|p| c.effects.get(&(e.scope.clone(), *p)));
+                if matches!(e.op, EffectOp::Upsert(_))
+                    && earlier.is_some_and(|l| matches!(l.op, EffectOp::Upsert(_)))
+                {
+                    // Materialized (the judges' journal has it), never stored.
+                    c.journal.insert((e.scope.clone(), e.position()), e.clone());
+                    *kept += 1;
+                    continue;
+                }
+            }
             if c.effects
                 .insert((e.scope.clone(), e.position()), e.clone())
                 .is_some()
@@ -896,7 +914,6 @@ impl MemTx {
                 return Err(StoreError::Integrity("two effects at one position".into()));
             }
             c.journal.insert((e.scope.clone(), e.position()), e.clone());
-            let row = (e.scope.clone(), e.table_id.clone(), e.identity.clone());
             if let Some(p) = c.latest_effect.insert(row, e.position()) {
                 if p >= e.position() {
                     return Err(StoreError::Integrity(
@@ -1036,10 +1053,17 @@ impl MemTx {
             .projections
             .get(&(e.table_id.clone(), e.identity.clone()));
         let tombstone = matches!(e.op, EffectOp::Tombstone(_));
+        // The planted bug breaks what is asserted here: the judges must
+        // catch it from what clients receive.
+        let planted = self.work.capture.keep_back_replacements.is_some();
         if let EffectOp::Upsert(c) | EffectOp::Tombstone(c) = &mut e.op {
             let p = p.ok_or_else(|| {
                 StoreError::Integrity("an effect without its row's projection".into())
             })?;
+            if planted {
+                c.row = protocol::json::to_canonical_string(&p.row);
+                c.version = p.version.clone();
+            }
             assert_eq!(
                 c.row,
                 protocol::json::to_canonical_string(&p.row),
@@ -1098,15 +1122,21 @@ impl MemTx {
         scope: &ScopeId,
         before: StreamPosition,
     ) -> Option<StreamPosition> {
-        self.work
-            .capture
-            .effects
-            .range((
-                Bound::Included((scope.clone(), StreamPosition::GenerationStart)),
-                Bound::Excluded((scope.clone(), before)),
-            ))
-            .next_back()
-            .map(|((_, p), _)| *p)
+        let c = &self.work.capture;
+        // The planted bug keeps effects back from the table and nothing
+        // else: the scope's last effect is still the last materialized, so
+        // only what clients receive can show it.
+        let kept = if c.keep_back_replacements.is_some() {
+            &c.journal
+        } else {
+            &c.effects
+        };
+        kept.range((
+            Bound::Included((scope.clone(), StreamPosition::GenerationStart)),
+            Bound::Excluded((scope.clone(), before)),
+        ))
+        .next_back()
+        .map(|((_, p), _)| *p)
     }
 
     /// Every effect of `scope` ever materialized in (`after`, `through`],

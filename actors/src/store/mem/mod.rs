@@ -333,6 +333,18 @@ impl MemStore {
         self.state.lock().await.capture.compact_above_floor = true;
     }
 
+    /// Plants a bug: a row's upsert in a scope does not replace the row's
+    /// earlier upsert there, so the scope keeps the effect while the
+    /// row's projection moves on (ADR 0037's premise broken).
+    pub async fn plant_replacements_kept_back(&self) {
+        self.state.lock().await.capture.keep_back_replacements = Some(0);
+    }
+
+    /// How many replacements the planted bug kept back.
+    pub async fn replacements_kept_back(&self) -> usize {
+        (self.state.lock().await.capture.keep_back_replacements).unwrap_or(0)
+    }
+
     /// Plants a bug: a key rotation deletes the old keys, so every token
     /// issued before it is forged.
     pub async fn plant_rotation_forgets_keys(&self) {
