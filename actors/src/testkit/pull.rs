@@ -1612,6 +1612,34 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             "an effect serves its row's projection"
         );
     }
+    drop(tx);
+    // An upsert whose row has no projection cannot be served: an integrity
+    // failure, never a change without its row.
+    let m = Materialization {
+        commit_lsn: 700,
+        end_lsn: 708,
+        transactions: vec![MaterializedTransaction {
+            commit_lsn: 700,
+            end_lsn: 708,
+            row_events: 1,
+        }],
+        effects: vec![effect(700, 3)],
+        stream_generation: 1, // a fresh store's
+        ..Materialization::default()
+    };
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(&m).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert!(matches!(
+        tx.scope_candidates(&s1, at(600, 0, 0), through(700), 10)
+            .await,
+        Err(StoreError::Integrity(_))
+    ));
+    assert!(matches!(
+        tx.scope_effects(&s1, at(600, 0, 0), through(700)).await,
+        Err(StoreError::Integrity(_))
+    ));
 }
 
 /// Connect's same-position current-schema replacement: after a Class 2
