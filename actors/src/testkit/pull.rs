@@ -1226,9 +1226,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     use protocol::position::Boundary;
     use protocol::value::TypedValue;
 
-    use crate::capture::{
-        CapturedRow, Effect, EffectOp, Materialization, MaterializedTransaction, Projection,
-    };
+    use crate::capture::{CapturedRow, Effect, EffectOp, Materialization, Projection};
     use crate::store::StoreError;
     use crate::stream::{MembershipRules, StreamState};
 
@@ -1455,23 +1453,13 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             assert_eq!(c, [effect(100, 1), effect(200, 2)], "the snapshot at 200");
             drop(tx);
         }
+        let written = (lsn != 300).then(|| projection(k));
         let m = Materialization {
-            commit_lsn: lsn,
-            end_lsn: lsn + 8,
-            transactions: vec![MaterializedTransaction {
-                commit_lsn: lsn,
-                end_lsn: lsn + 8,
-                row_events: 1,
-            }],
-            effects: vec![effect(lsn, k)],
-            new_projections: (lsn != 300).then(|| projection(k)).into_iter().collect(),
+            new_projections: written.into_iter().collect(),
             put_projections: (lsn == 300).then(|| projection(k)).into_iter().collect(),
-            stream_generation: 1, // a fresh store's
-            ..Materialization::default()
+            ..group(&[lsn], 1, vec![effect(lsn, k)])
         };
-        let mut tx = store.begin().await.unwrap();
-        tx.materialize(&m).await.unwrap();
-        tx.commit().await.unwrap();
+        materialize(store, &m).await;
     }
     let mut tx = store.begin().await.unwrap();
     let c = tx
@@ -1537,23 +1525,10 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     // Two effects of one row in one materialization: the later supersedes
     // the earlier, and the row's effect at 300 too.
     let m = Materialization {
-        commit_lsn: 500,
-        end_lsn: 508,
-        transactions: [400, 500]
-            .map(|lsn| MaterializedTransaction {
-                commit_lsn: lsn,
-                end_lsn: lsn + 8,
-                row_events: 1,
-            })
-            .to_vec(),
-        effects: vec![effect(400, 1), effect(500, 1)],
         put_projections: vec![projection(1)],
-        stream_generation: 1, // a fresh store's
-        ..Materialization::default()
+        ..group(&[400, 500], 1, vec![effect(400, 1), effect(500, 1)])
     };
-    let mut tx = store.begin().await.unwrap();
-    tx.materialize(&m).await.unwrap();
-    tx.commit().await.unwrap();
+    materialize(store, &m).await;
     let mut tx = store.begin().await.unwrap();
     let c = tx
         .scope_candidates(&s1, start, through(500), 10)
@@ -1574,20 +1549,10 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         ..projection(2)
     };
     let m = Materialization {
-        commit_lsn: 600,
-        end_lsn: 608,
-        transactions: vec![MaterializedTransaction {
-            commit_lsn: 600,
-            end_lsn: 608,
-            row_events: 0,
-        }],
         put_projections: vec![reprojected],
-        stream_generation: 1, // a fresh store's
-        ..Materialization::default()
+        ..group(&[600], 0, Vec::new())
     };
-    let mut tx = store.begin().await.unwrap();
-    tx.materialize(&m).await.unwrap();
-    tx.commit().await.unwrap();
+    materialize(store, &m).await;
     let mut tx = store.begin().await.unwrap();
     let served = EffectOp::Upsert(CapturedRow {
         digest: Digest([2; 32]),
@@ -1615,21 +1580,7 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
     drop(tx);
     // An upsert whose row has no projection cannot be served: an integrity
     // failure, never a change without its row.
-    let m = Materialization {
-        commit_lsn: 700,
-        end_lsn: 708,
-        transactions: vec![MaterializedTransaction {
-            commit_lsn: 700,
-            end_lsn: 708,
-            row_events: 1,
-        }],
-        effects: vec![effect(700, 3)],
-        stream_generation: 1, // a fresh store's
-        ..Materialization::default()
-    };
-    let mut tx = store.begin().await.unwrap();
-    tx.materialize(&m).await.unwrap();
-    tx.commit().await.unwrap();
+    materialize(store, &group(&[700], 1, vec![effect(700, 3)])).await;
     let mut tx = store.begin().await.unwrap();
     assert!(matches!(
         tx.scope_candidates(&s1, at(600, 0, 0), through(700), 10)
@@ -1640,6 +1591,40 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
         tx.scope_effects(&s1, at(600, 0, 0), through(700)).await,
         Err(StoreError::Integrity(_))
     ));
+}
+
+/// A group of source transactions committed at `lsns`, each of
+/// `row_events` events, with `effects` and no projection: a fresh store's
+/// stream generation.
+fn group(
+    lsns: &[u64],
+    row_events: u64,
+    effects: Vec<crate::capture::Effect>,
+) -> crate::capture::Materialization {
+    use crate::capture::{Materialization, MaterializedTransaction};
+    let last = lsns.last().copied().unwrap_or_default();
+    Materialization {
+        commit_lsn: last,
+        end_lsn: last + 8,
+        transactions: lsns
+            .iter()
+            .map(|&lsn| MaterializedTransaction {
+                commit_lsn: lsn,
+                end_lsn: lsn + 8,
+                row_events,
+            })
+            .collect(),
+        effects,
+        stream_generation: 1,
+        ..Materialization::default()
+    }
+}
+
+/// Writes `m` in a transaction of its own, as the materializer does.
+async fn materialize<S: Store>(store: &S, m: &crate::capture::Materialization) {
+    let mut tx = store.begin().await.unwrap();
+    tx.materialize(m).await.unwrap();
+    tx.commit().await.unwrap();
 }
 
 /// Connect's same-position current-schema replacement: after a Class 2
