@@ -70,6 +70,17 @@ pub enum SystemMutant {
     RotationForgetsKeys,
 }
 
+impl SystemMutant {
+    /// Whether the bug fires on an answer a device receives (so the
+    /// device's transport records that it fired), not on the server's own.
+    fn fires_on_an_answer(self) -> bool {
+        !matches!(
+            self,
+            SystemMutant::CompactAboveFloor | SystemMutant::RotationForgetsKeys
+        )
+    }
+}
+
 /// Knobs of one whole-system run.
 #[derive(Clone, Debug)]
 pub struct SystemScenario {
@@ -881,7 +892,17 @@ async fn device_main(
         authored: Vec::new(),
         mismatched: Vec::new(),
     };
-    for round in 0..scenario.rounds {
+    // A planted bug needs an answer it can break (a page that removes a
+    // scope the device holds, a push whose answer is lost, ...), and such
+    // an answer can come late or not at all in a run's rounds: the bug's
+    // device goes on, up to four times its rounds, until the bug fired.
+    let fires_late = mutant.is_some_and(SystemMutant::fires_on_an_answer);
+    let more = |round: usize| {
+        round < scenario.rounds
+            || (fires_late && round < 4 * scenario.rounds && !trace.lock().expect("trace").mutated)
+    };
+    let mut round = 0;
+    while more(round) {
         let connected = run.client.manifest().is_some();
         match thread_rng().gen_range(0..10) {
             0..=3 if connected => {
@@ -963,6 +984,7 @@ async fn device_main(
         }
         sync(&mut run, &trace).await;
         sleep(Duration::from_millis(thread_rng().gen_range(50..400))).await;
+        round += 1;
     }
     run
 }
