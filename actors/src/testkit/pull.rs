@@ -1453,10 +1453,15 @@ pub async fn pull_store_suite<S: Store>(store: &S) {
             assert_eq!(c, [effect(100, 1), effect(200, 2)], "the snapshot at 200");
             drop(tx);
         }
-        let written = (lsn != 300).then(|| projection(k));
+        // Row 1, written again at 300, already has its projection.
+        let (new_projections, put_projections) = if lsn == 300 {
+            (Vec::new(), vec![projection(k)])
+        } else {
+            (vec![projection(k)], Vec::new())
+        };
         let m = Materialization {
-            new_projections: written.into_iter().collect(),
-            put_projections: (lsn == 300).then(|| projection(k)).into_iter().collect(),
+            new_projections,
+            put_projections,
             ..group(&[lsn], 1, vec![effect(lsn, k)])
         };
         materialize(store, &m).await;
